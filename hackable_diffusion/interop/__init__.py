@@ -1,0 +1,1 @@
+"""Interoperability with Hugging Face transformers (safetensors + config.json) and PEFT adapters."""

@@ -1,0 +1,298 @@
+"""Hugging Face DiffusionGemma checkpoints, both ways.
+
+Layout written by transformers' `DiffusionGemmaForBlockDiffusion.save_pretrained`: `config.json` with a
+`text_config`, weights stored once under `model.decoder.*` (encoder and decoder text weights are tied), the
+encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.N.layer_scalar`, and a vision
+tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*`. Our model has one set of text
+weights; loading maps the names onto it tensor by tensor (never two full copies in memory) and skips the vision
+tower (text-only); saving writes every name transformers expects, with a tiny vision stub (or the vision tower
+of a source checkpoint) so that `from_pretrained` reports no missing or unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hackable_diffusion.model.config import TINY_VISION_CONFIG, ConfigError, ModelConfig
+from hackable_diffusion.model.transformer import DiffusionGemma
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+_ENCODER_LAYERS = "model.encoder.language_model."
+_DEC = "model.decoder."
+
+
+class CheckpointError(ValueError):
+  """A checkpoint on disk is missing, malformed, or does not match the model."""
+
+
+# ---- name mapping ---------------------------------------------------------------------------------------------
+def _hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+  """Our parameter path -> (HF tensor name, transpose?)."""
+  parts = [str(p) for p in path]
+  if parts == ["embed_tokens"]:
+    return _DEC + "embed_tokens.weight", False
+  if parts[0] == "layers" and parts[-1] == "encoder_layer_scalar":
+    return f"{_ENCODER_LAYERS}layers.{parts[1]}.layer_scalar", False
+  if parts[:2] == ["self_conditioning", "mlp"]:
+    parts = ["self_conditioning", *parts[2:]]
+  if parts[-1] == "kernel":
+    return _DEC + ".".join(parts[:-1]) + ".weight", True
+  return _DEC + ".".join(parts), False
+
+
+def _iter_variables(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Variable]]:
+  state = nnx.state(model)
+  for path, var in nnx.to_flat_state(state):
+    yield tuple(path), var
+
+
+def hf_tensor_names(model: DiffusionGemma) -> dict[str, tuple[tuple[Any, ...], bool]]:
+  """HF tensor name -> (our variable path, transpose?) for every variable of `model`."""
+  out = {}
+  for path, _ in _iter_variables(model):
+    name, transpose = _hf_name(path)
+    out[name] = (path, transpose)
+  return out
+
+
+# ---- reading --------------------------------------------------------------------------------------------------
+def _weight_files(path: str) -> list[str]:
+  index = os.path.join(path, INDEX_NAME)
+  single = os.path.join(path, WEIGHTS_NAME)
+  if os.path.exists(index):
+    try:
+      with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {e})") from None
+    files = sorted(set(weight_map.values()))
+    for name in files:
+      if not os.path.exists(os.path.join(path, name)):
+        raise CheckpointError(f"{index}: lists shard {name!r}, which does not exist")
+    return [os.path.join(path, name) for name in files]
+  if os.path.exists(single):
+    return [single]
+  raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+
+
+def _open(file: str):
+  try:
+    return safe_open(file, framework="flax")
+  except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+    raise CheckpointError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def iter_tensors(path: str) -> Iterator[tuple[str, str, Any]]:
+  """Yields (file, name, lazy slice handle) over every tensor of a checkpoint directory, one file open at a time."""
+  for file in _weight_files(path):
+    with _open(file) as f:
+      for name in f.keys():
+        yield file, name, f
+
+
+def load_config(path: str, **overrides: Any) -> ModelConfig:
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: not a directory")
+  try:
+    return ModelConfig.from_json_file(config_path, **overrides)
+  except ConfigError as e:
+    raise CheckpointError(str(e)) from None
+
+
+def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any = None, adapter: str | None = None,
+                    **config_overrides: Any) -> DiffusionGemma:
+  """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
+
+  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given). Tensors are read one at a
+  time and cast on the fly; the vision tower is skipped with one warning. Raises `CheckpointError` naming the
+  tensor for a missing tensor, an unexpected tensor, or a shape mismatch. `adapter`: a PEFT adapter directory
+  to apply on top (see `hackable_diffusion.interop.peft`).
+  """
+  dtype = jnp.dtype(dtype)
+  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
+  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
+  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+  names = hf_tensor_names(model)
+  variables = dict(_iter_variables(model))
+  loaded: set[str] = set()
+  skipped_vision = 0
+  stored = {name for _, name, _ in iter_tensors(path)}  # headers only
+  for file, name, handle in iter_tensors(path):
+    if name.startswith(_VISION_PREFIXES):
+      skipped_vision += 1
+      continue
+    key = name
+    if name not in names and name.startswith(_ENCODER_LAYERS):
+      key = _DEC + name[len(_ENCODER_LAYERS):]  # a tied encoder copy stored explicitly
+      if key in stored:
+        continue  # the decoder copy of this tied weight is stored too
+    if key not in names:
+      raise CheckpointError(f"{file}: unexpected tensor {name!r} (not part of a DiffusionGemma text model)")
+    var_path, transpose = names[key]
+    var = variables[var_path]
+    try:
+      tensor = handle.get_tensor(name)
+    except Exception as e:
+      raise CheckpointError(f"{file}: cannot read tensor {name!r} ({str(e).splitlines()[0]})") from None
+    shape = tuple(tensor.shape[::-1]) if transpose else tuple(tensor.shape)
+    if shape != tuple(var.shape):
+      expected = tuple(var.shape[::-1]) if transpose else tuple(var.shape)
+      raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+    value = tensor.T if transpose else tensor
+    var.value = jnp.asarray(value, dtype=var.dtype)
+    del tensor, value
+    loaded.add(key)
+  missing = sorted(set(names) - loaded)
+  if missing:
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
+  if skipped_vision:
+    logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path, skipped_vision)
+  if adapter is not None:
+    from hackable_diffusion.interop import peft as peft_interop  # local import: optional feature
+
+    model = peft_interop.load_adapter(model, adapter)
+  return model
+
+
+# ---- writing --------------------------------------------------------------------------------------------------
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _vision_stub(hidden: int, vision: dict[str, Any]) -> dict[str, np.ndarray]:
+  """Minimal vision tower weights for `TINY_VISION_CONFIG` (transformers always builds one)."""
+  vh, inter, hd = vision["hidden_size"], vision["intermediate_size"], vision["head_dim"]
+  heads, kv, patch = vision["num_attention_heads"], vision["num_key_value_heads"], vision["patch_size"]
+  rng = np.random.default_rng(0)
+  normal = lambda *s: (0.02 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
+  ones = lambda *s: np.ones(s, np.float32)  # noqa: E731
+  out = {
+      "model.encoder.embed_vision.embedding_projection.weight": normal(hidden, vh),
+      "model.encoder.vision_tower.patch_embedder.input_proj.weight": normal(vh, 3 * patch * patch),
+      "model.encoder.vision_tower.patch_embedder.position_embedding_table": ones(2, vision["position_embedding_size"], vh),
+  }
+  for i in range(vision["num_hidden_layers"]):
+    p = f"model.encoder.vision_tower.encoder.layers.{i}."
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+      out[p + norm + ".weight"] = ones(vh)
+    out[p + "self_attn.q_norm.weight"] = ones(hd)
+    out[p + "self_attn.k_norm.weight"] = ones(hd)
+    out[p + "self_attn.q_proj.linear.weight"] = normal(heads * hd, vh)
+    out[p + "self_attn.k_proj.linear.weight"] = normal(kv * hd, vh)
+    out[p + "self_attn.v_proj.linear.weight"] = normal(kv * hd, vh)
+    out[p + "self_attn.o_proj.linear.weight"] = normal(vh, heads * hd)
+    out[p + "mlp.gate_proj.linear.weight"] = normal(inter, vh)
+    out[p + "mlp.up_proj.linear.weight"] = normal(inter, vh)
+    out[p + "mlp.down_proj.linear.weight"] = normal(vh, inter)
+  return out
+
+
+def _to_numpy(x: jax.Array, dtype: str) -> np.ndarray:
+  return np.asarray(jnp.asarray(x, dtype=jnp.dtype(dtype)))
+
+
+def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = None, max_shard_size: int = 4 << 30,
+                    vision_source: str | None = None, extra_config: dict[str, Any] | None = None) -> None:
+  """Writes a directory that transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained` loads.
+
+  `dtype`: storage dtype (default: the model's parameter dtype). Shards above `max_shard_size` bytes, with an
+  index. `vision_source`: a HF checkpoint whose vision tower and vision config are copied (default: a tiny stub,
+  since transformers always builds a vision tower). Refuses a model whose attention structure the reference
+  cannot run.
+  """
+  config = model.config
+  if config.attention_structure is not None:
+    raise CheckpointError(
+        f"model uses attention_structure={config.attention_structure!r}, which transformers/vLLM cannot run; "
+        "export a pure-architecture model (configs/sudoku_pure.py) instead"
+    )
+  dtype = dtype or config.param_dtype
+  if dtype not in _TORCH_DTYPES:
+    raise CheckpointError(f"unsupported save dtype {dtype!r}; expected one of {sorted(_TORCH_DTYPES)}")
+  os.makedirs(path, exist_ok=True)
+  hf_config = config.to_hf_config(torch_dtype=dtype)
+  vision: dict[str, np.ndarray] | None = None
+  if vision_source is not None:
+    src = json.load(open(os.path.join(vision_source, "config.json"), encoding="utf-8"))
+    for key in ("vision_config", "boi_token_id", "eoi_token_id", "image_token_id"):
+      if key in src:
+        hf_config[key] = src[key]
+  if extra_config:
+    hf_config.update(extra_config)
+
+  def tensors() -> Iterator[tuple[str, np.ndarray]]:
+    for p, var in _iter_variables(model):
+      name, transpose = _hf_name(p)
+      value = var[...]
+      yield name, _to_numpy(value.T if transpose else value, dtype)
+    if vision_source is not None:
+      for _, name, handle in iter_tensors(vision_source):
+        if name.startswith(_VISION_PREFIXES):
+          yield name, np.asarray(jnp.asarray(handle.get_tensor(name)).astype(jnp.dtype(dtype)))
+    else:
+      for name, value in _vision_stub(config.hidden_size, TINY_VISION_CONFIG).items():
+        yield name, _to_numpy(jnp.asarray(value), dtype)
+
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, array in tensors():
+    if size and size + array.nbytes > max_shard_size:
+      shards.append({})
+      size = 0
+    shards[-1][name] = np.ascontiguousarray(array)
+    size += array.nbytes
+  metadata = {"format": "pt"}
+  if len(shards) == 1:
+    _atomic_save(shards[0], os.path.join(path, WEIGHTS_NAME), metadata)
+    stale = os.path.join(path, INDEX_NAME)
+    if os.path.exists(stale):
+      os.remove(stale)
+  else:
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      _atomic_save(shard, os.path.join(path, fname), metadata)
+      for name, array in shard.items():
+        weight_map[name] = fname
+        total += array.nbytes
+    _atomic_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(path, INDEX_NAME))
+  _atomic_json(hf_config, os.path.join(path, "config.json"))
+
+
+def _atomic_save(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
+  if any(a.dtype == jnp.bfloat16 for a in tensors.values()):
+    from safetensors.flax import save_file as save_jax  # numpy has no bf16 in safetensors' numpy writer
+
+    tmp = file + ".tmp"
+    save_jax({k: jnp.asarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+  else:
+    tmp = file + ".tmp"
+    save_file(tensors, tmp, metadata=metadata)
+  os.replace(tmp, file)
+
+
+def _atomic_json(data: dict[str, Any], file: str) -> None:
+  tmp = file + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(data, f, indent=2, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, file)
+
+
+def checkpoint_nbytes(path: str) -> int:
+  return sum(os.path.getsize(f) for f in _weight_files(path))

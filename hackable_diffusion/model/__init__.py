@@ -1,0 +1,1 @@
+"""Flax NNX DiffusionGemma: config, layers, attention + KV cache, transformer."""

@@ -1,0 +1,423 @@
+"""Model configuration: `ModelConfig`, presets, and Hugging Face `config.json` conversion.
+
+`ModelConfig` covers every field of transformers' `DiffusionGemmaTextConfig` that changes the text model, plus
+the block-diffusion `canvas_length` of `DiffusionGemmaConfig` and our own compute options (dtypes, MoE kernel,
+task attention structure). `from_hf_config` / `to_hf_config` convert both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+_LAYER_TYPES = (SLIDING, FULL)
+_ROPE_TYPES = ("default", "proportional")
+_DTYPES = ("float32", "bfloat16", "float16")
+_MOE_IMPLS = ("dense", "ragged")
+
+
+class ConfigError(ValueError):
+  """A model configuration value is invalid or unsupported."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+  """Rotary embedding of one layer type (rotate-half convention).
+
+  `default`: frequencies `theta ** (-2i / d)` over `d = head_dim * partial_rotary_factor`.
+  `proportional` (Gemma-4 full layers): the first `int(partial_rotary_factor * head_dim // 2)` frequencies are
+  `theta ** (-2i / head_dim)`, the rest are 0 (those dimensions are not rotated); all divided by `factor`.
+  """
+
+  rope_type: str = "default"
+  theta: float = 10_000.0
+  partial_rotary_factor: float = 1.0
+  factor: float = 1.0
+
+  def __post_init__(self):
+    if self.rope_type not in _ROPE_TYPES:
+      raise ConfigError(f"rope_type={self.rope_type!r} is not supported; expected one of {_ROPE_TYPES}")
+    if not self.theta > 0:
+      raise ConfigError(f"rope theta={self.theta} must be > 0")
+    if not 0.0 < self.partial_rotary_factor <= 1.0:
+      raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+    if not self.factor > 0:
+      raise ConfigError(f"rope factor={self.factor} must be > 0")
+    if self.rope_type == "default" and self.partial_rotary_factor != 1.0:
+      raise ConfigError("rope_type='default' with partial_rotary_factor != 1 is not supported (use 'proportional')")
+
+  @classmethod
+  def from_hf(cls, params: Mapping[str, Any]) -> RopeConfig:
+    unknown = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
+    if unknown:
+      raise ConfigError(f"rope_parameters has unsupported keys {sorted(unknown)}")
+    return cls(
+        rope_type=params.get("rope_type", "default"),
+        theta=float(params.get("rope_theta", 10_000.0)),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        factor=float(params.get("factor", 1.0)),
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.theta}
+    if self.partial_rotary_factor != 1.0 or self.rope_type == "proportional":
+      out["partial_rotary_factor"] = self.partial_rotary_factor
+    if self.factor != 1.0:
+      out["factor"] = self.factor
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Shape and numerics of a DiffusionGemma text model (HF `DiffusionGemmaTextConfig` + `canvas_length`)."""
+
+  vocab_size: int = 262_144
+  hidden_size: int = 2304
+  intermediate_size: int = 9216
+  num_hidden_layers: int = 30
+  num_attention_heads: int = 8
+  num_key_value_heads: int = 4
+  head_dim: int = 256
+  global_head_dim: int = 512
+  num_global_key_value_heads: int | None = None  # None: same as num_key_value_heads
+  layer_types: tuple[str, ...] | None = None  # None: 5 sliding : 1 full, last layer full
+  sliding_window: int = 512
+  sliding_rope: RopeConfig = RopeConfig(rope_type="default", theta=10_000.0)
+  full_rope: RopeConfig = RopeConfig(rope_type="proportional", theta=1_000_000.0, partial_rotary_factor=0.25)
+  rms_norm_eps: float = 1e-6
+  final_logit_softcapping: float | None = 30.0
+  num_experts: int = 128
+  top_k_experts: int = 8
+  moe_intermediate_size: int = 704
+  pad_token_id: int = 0
+  eos_token_id: int | tuple[int, ...] = 1
+  bos_token_id: int = 2
+  canvas_length: int = 256
+  max_position_embeddings: int = 131_072
+  initializer_range: float = 0.02
+  # --- ours (not in the HF config) ---
+  dtype: str = "float32"  # compute dtype of activations
+  param_dtype: str = "float32"  # storage dtype of parameters
+  moe_impl: str = "dense"  # "dense": every expert on every token (small E); "ragged": grouped matmul (large E)
+  attention_structure: str | None = None  # name of a task-registered attention structure (see model/structure.py)
+
+  def __post_init__(self):
+    positive = (
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+        "head_dim global_head_dim sliding_window num_experts top_k_experts moe_intermediate_size canvas_length "
+        "max_position_embeddings"
+    ).split()
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+    if self.layer_types is None:
+      types = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers))
+      object.__setattr__(self, "layer_types", types)
+    else:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if len(self.layer_types) != self.num_hidden_layers:
+      raise ConfigError(
+          f"ModelConfig.layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+      )
+    for i, t in enumerate(self.layer_types):
+      if t not in _LAYER_TYPES:
+        raise ConfigError(f"ModelConfig.layer_types[{i}]={t!r}; expected one of {_LAYER_TYPES}")
+    if self.layer_types[-1] != FULL:
+      raise ConfigError("ModelConfig.layer_types[-1] must be 'full_attention' (as in transformers, which forces it)")
+    if self.num_global_key_value_heads is not None and self.num_global_key_value_heads <= 0:
+      raise ConfigError(f"ModelConfig.num_global_key_value_heads={self.num_global_key_value_heads} must be > 0")
+    for name, kv in (("num_key_value_heads", self.num_key_value_heads), ("num_global_key_value_heads", self.global_kv_heads)):
+      if self.num_attention_heads % kv:
+        raise ConfigError(f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of {name}={kv}")
+    if self.top_k_experts > self.num_experts:
+      raise ConfigError(f"ModelConfig.top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}")
+    if self.rms_norm_eps <= 0:
+      raise ConfigError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps} must be > 0")
+    if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+      raise ConfigError(f"ModelConfig.final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}")
+    if self.moe_impl not in _MOE_IMPLS:
+      raise ConfigError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}")
+    ids = (self.pad_token_id, self.bos_token_id, *self.eos_token_ids)
+    for tid in ids:
+      if not 0 <= tid < self.vocab_size:
+        raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+
+  # ---- derived --------------------------------------------------------------------------------------------------
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+  @property
+  def global_kv_heads(self) -> int:
+    return self.num_key_value_heads if self.num_global_key_value_heads is None else self.num_global_key_value_heads
+
+  def layer_head_dim(self, i: int) -> int:
+    return self.head_dim if self.layer_types[i] == SLIDING else self.global_head_dim
+
+  def layer_kv_heads(self, i: int) -> int:
+    return self.num_key_value_heads if self.layer_types[i] == SLIDING else self.global_kv_heads
+
+  def layer_rope(self, i: int) -> RopeConfig:
+    return self.sliding_rope if self.layer_types[i] == SLIDING else self.full_rope
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def num_parameters(self) -> int:
+    """Parameter count of the text model (embedding counted once; tied head)."""
+    h, n = self.hidden_size, 0
+    for i in range(self.num_hidden_layers):
+      d, kv = self.layer_head_dim(i), self.layer_kv_heads(i)
+      q = self.num_attention_heads * d
+      n += h * q * 2 + h * kv * d * (2 if self.layer_types[i] == SLIDING else 1) + 2 * d
+      n += 3 * h * self.intermediate_size
+      n += h * self.num_experts + h + self.num_experts
+      n += self.num_experts * 3 * h * self.moe_intermediate_size
+      n += 7 * h + 1
+    return n + self.vocab_size * h + h + 3 * h * self.intermediate_size + h
+
+  # ---- Hugging Face conversion ---------------------------------------------------------------------------------
+  @classmethod
+  def from_hf_config(cls, config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """Builds a config from a HF DiffusionGemma `config.json` dict (top level or its `text_config`)."""
+    model_type = config.get("model_type")
+    if model_type == "diffusion_gemma":
+      text = config.get("text_config")
+      if not isinstance(text, Mapping):
+        raise ConfigError("config.json of model_type 'diffusion_gemma' has no 'text_config' object")
+      canvas = config.get("canvas_length", 256)
+    elif model_type == "diffusion_gemma_text":
+      text, canvas = config, config.get("canvas_length", 256)
+    else:
+      raise ConfigError(
+          f"config.json has model_type={model_type!r}; expected 'diffusion_gemma' (or 'diffusion_gemma_text')"
+      )
+    act = text.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+      raise ConfigError(f"text_config.hidden_activation={act!r} is not supported (only gelu_pytorch_tanh)")
+    if text.get("attention_bias", False):
+      raise ConfigError("text_config.attention_bias=true is not supported (DiffusionGemma has no biases)")
+    if text.get("use_bidirectional_attention") == "all":
+      raise ConfigError("text_config.use_bidirectional_attention='all' is not supported (the encoder is causal)")
+    if text.get("num_experts") in (None, 0):
+      raise ConfigError("text_config.num_experts is missing: DiffusionGemma layers always have experts")
+    n_layers = int(text.get("num_hidden_layers", 30))
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+      layer_types = list(layer_types)
+      if layer_types and layer_types[-1] != FULL:
+        layer_types[-1] = FULL  # transformers forces this too (with a warning)
+    head_dim = int(text.get("head_dim", 256))
+    kv_heads = int(text.get("num_key_value_heads", 4))
+    resolved_types = layer_types or [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+    global_head_dim, global_kv = int(text.get("global_head_dim", 512)), text.get("num_global_key_value_heads")
+    per_layer = text.get("per_layer_config")
+    if per_layer:
+      seen: set[tuple[str, Any]] = set()
+      for key, override in per_layer.items():
+        idx = int(key) if str(key).isdigit() else None
+        ltype = resolved_types[idx] if idx is not None and idx < n_layers else key
+        extra = set(override) - {"head_dim", "num_key_value_heads"}
+        if extra:
+          raise ConfigError(f"per_layer_config[{key!r}] has unsupported keys {sorted(extra)}")
+        if ltype == FULL:
+          global_head_dim = int(override.get("head_dim", head_dim))
+          global_kv = override.get("num_key_value_heads")
+          seen.add(("hd", global_head_dim))
+          seen.add(("kv", global_kv))
+        elif override.get("head_dim", head_dim) != head_dim or override.get("num_key_value_heads", kv_heads) != kv_heads:
+          raise ConfigError(f"per_layer_config[{key!r}] overrides a sliding layer, which is not supported")
+      if len({v for k, v in seen if k == "hd"}) > 1 or len({v for k, v in seen if k == "kv"}) > 1:
+        raise ConfigError("per_layer_config gives full-attention layers different shapes; not supported")
+    rope = text.get("rope_parameters") or {}
+    eos = text.get("eos_token_id", 1)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(text.get("vocab_size", 262_144)),
+        hidden_size=int(text.get("hidden_size", 2304)),
+        intermediate_size=int(text.get("intermediate_size", 9216)),
+        num_hidden_layers=n_layers,
+        num_attention_heads=int(text.get("num_attention_heads", 8)),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        num_global_key_value_heads=None if global_kv is None else int(global_kv),
+        layer_types=None if layer_types is None else tuple(layer_types),
+        sliding_window=int(text.get("sliding_window", 512)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        final_logit_softcapping=text.get("final_logit_softcapping", 30.0),
+        num_experts=int(text["num_experts"]),
+        top_k_experts=int(text.get("top_k_experts") or 1),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 1),
+        pad_token_id=int(text.get("pad_token_id", 0) if text.get("pad_token_id") is not None else 0),
+        eos_token_id=eos if isinstance(eos, int) else tuple(int(e) for e in eos),
+        bos_token_id=int(text.get("bos_token_id", 2) if text.get("bos_token_id") is not None else 2),
+        canvas_length=int(canvas),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        initializer_range=float(text.get("initializer_range", 0.02)),
+    )
+    if SLIDING in rope:
+      kwargs["sliding_rope"] = RopeConfig.from_hf(rope[SLIDING])
+    if FULL in rope:
+      kwargs["full_rope"] = RopeConfig.from_hf(rope[FULL])
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf_text_config(self) -> dict[str, Any]:
+    per_layer = {}
+    for i, t in enumerate(self.layer_types):
+      if t == FULL:
+        entry: dict[str, Any] = {"head_dim": self.global_head_dim}
+        if self.num_global_key_value_heads is not None:
+          entry["num_key_value_heads"] = self.num_global_key_value_heads
+        per_layer[str(i)] = entry
+    return {
+        "model_type": "diffusion_gemma_text",
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.head_dim,
+        "per_layer_config": per_layer,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": list(self.layer_types),
+        "sliding_window": self.sliding_window,
+        "rope_parameters": {SLIDING: self.sliding_rope.to_hf(), FULL: self.full_rope.to_hf()},
+        "rms_norm_eps": self.rms_norm_eps,
+        "final_logit_softcapping": self.final_logit_softcapping,
+        "num_experts": self.num_experts,
+        "top_k_experts": self.top_k_experts,
+        "moe_intermediate_size": self.moe_intermediate_size,
+        "pad_token_id": self.pad_token_id,
+        "eos_token_id": self.eos_token_id if isinstance(self.eos_token_id, int) else list(self.eos_token_id),
+        "bos_token_id": self.bos_token_id,
+        "max_position_embeddings": self.max_position_embeddings,
+        "initializer_range": self.initializer_range,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": True,
+        "use_bidirectional_attention": None,
+    }
+
+  def to_hf_config(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
+    """A complete `config.json` for `DiffusionGemmaForBlockDiffusion` (text weights + a tiny vision stub)."""
+    # transformers always builds a vision tower; a tiny one keeps `from_pretrained` cheap. Its weights are written
+    # by `save_pretrained` so that the checkpoint loads without missing keys.
+    v = max(4, self.vocab_size)
+    return {
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "model_type": "diffusion_gemma",
+        "text_config": self.to_hf_text_config(),
+        "vision_config": dict(TINY_VISION_CONFIG),
+        "boi_token_id": v - 3 if self.vocab_size > 8 else 0,
+        "eoi_token_id": v - 2 if self.vocab_size > 8 else 0,
+        "image_token_id": v - 1 if self.vocab_size > 8 else 0,
+        "canvas_length": self.canvas_length,
+        "tie_word_embeddings": True,
+        "initializer_range": self.initializer_range,
+        "dtype": torch_dtype or self.param_dtype,
+    }
+
+  # ---- files ----------------------------------------------------------------------------------------------------
+  @classmethod
+  def from_json_file(cls, path: str | os.PathLike[str], **overrides: Any) -> ModelConfig:
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    except FileNotFoundError:
+      raise ConfigError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+      raise ConfigError(f"{path}: expected a JSON object")
+    try:
+      return cls.from_hf_config(data, **overrides)
+    except (ConfigError, TypeError) as e:
+      raise ConfigError(f"{path}: {e}") from None
+
+
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": 4,
+    "pooling_kernel_size": 2,
+    "position_embedding_size": 64,
+}
+
+
+def _presets() -> dict[str, ModelConfig]:
+  tiny = ModelConfig(
+      vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+      layer_types=(SLIDING, FULL), sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+      canvas_length=8,
+  )
+  sudoku = ModelConfig(
+      vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=32, global_head_dim=32, layer_types=(SLIDING, FULL, SLIDING, FULL),
+      sliding_window=256, num_experts=4, top_k_experts=2, moe_intermediate_size=128, canvas_length=81,
+      final_logit_softcapping=30.0,
+  )
+  # Public DiffusionGemma 26B-A4B shape (model cards; a real checkpoint's config.json always wins).
+  gemma_26b = ModelConfig(
+      vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+      num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=1024,
+      num_experts=128, top_k_experts=8, moe_intermediate_size=704, canvas_length=256, param_dtype="bfloat16",
+      dtype="bfloat16", moe_impl="ragged",
+  )
+  return {"tiny": tiny, "sudoku": sudoku, "diffusion_gemma_26b_a4b": gemma_26b}
+
+
+PRESETS: dict[str, ModelConfig] = _presets()
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+  if name not in PRESETS:
+    raise ConfigError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def config_from_any(value: ModelConfig | Mapping[str, Any] | str) -> ModelConfig:
+  """A `ModelConfig` from a config, a preset name, a config.json path, or a plain dict of fields."""
+  if isinstance(value, ModelConfig):
+    return value
+  if isinstance(value, str):
+    if value in PRESETS:
+      return PRESETS[value]
+    path = os.path.join(value, "config.json") if os.path.isdir(value) else value
+    return ModelConfig.from_json_file(path)
+  if "model_type" in value:
+    return ModelConfig.from_hf_config(value)
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = set(value) - fields
+  if unknown:
+    raise ConfigError(f"unknown ModelConfig keys {sorted(unknown)}; valid keys: {sorted(fields)}")
+  return ModelConfig(**value)
+
+
+def dims_str(config: ModelConfig) -> str:
+  return (
+      f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_experts} experts top-"
+      f"{config.top_k_experts}, vocab {config.vocab_size}, ~{config.num_parameters() / 1e6:.1f}M params"
+  )
+
+
+__all__ = [
+    "ConfigError", "RopeConfig", "ModelConfig", "PRESETS", "get_preset", "config_from_any", "SLIDING", "FULL",
+    "TINY_VISION_CONFIG", "dims_str",
+]

@@ -1,0 +1,203 @@
+"""`DiffusionGemma`: one set of Gemma-4 weights run as a causal encoder and as a bidirectional decoder.
+
+The encoder runs causally over the prompt (and, in block-autoregressive generation, over committed canvases)
+and writes a KV cache; the decoder denoises a canvas attending to that cache and to the whole canvas, with a
+self-conditioning MLP on its input. Logits are computed by the tied embedding in fp32 and soft-capped
+(`tanh(logits / cap) * cap`). Same meaning as transformers' `DiffusionGemmaForBlockDiffusion`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hackable_diffusion.model import layers
+from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
+from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
+
+Array = jax.Array
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+class DecoderLayer(nnx.Module):
+  """One transformer block (same weights in both modes).
+
+  `h = x + post_attention_norm(attn(input_norm(x)))`; `dense = post_ffw_norm_1(mlp(pre_ffw_norm(h)))`;
+  `moe = post_ffw_norm_2(experts(pre_ffw_norm_2(h), router(h)))`; `out = (h + post_ffw_norm(dense + moe)) * s`
+  where `s` is the saved `layer_scalar` (the encoder's own copy in encoder mode).
+  """
+
+  def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+    dtype, pdtype = _dtype(config.dtype), _dtype(config.param_dtype)
+    h, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
+    self.self_attn = Attention(config, layer_idx, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype, std=std)
+    self.router = layers.Router(h, config.num_experts, config.top_k_experts, eps=eps, rngs=rngs, dtype=dtype,
+                                param_dtype=pdtype, std=std)
+    self.experts = layers.Experts(h, config.moe_intermediate_size, config.num_experts, rngs=rngs, dtype=dtype,
+                                  param_dtype=pdtype, std=std, impl=config.moe_impl)
+    norm = lambda: layers.RMSNorm(h, eps=eps, param_dtype=pdtype)  # noqa: E731
+    self.input_layernorm = norm()
+    self.post_attention_layernorm = norm()
+    self.pre_feedforward_layernorm = norm()
+    self.post_feedforward_layernorm = norm()
+    self.pre_feedforward_layernorm_2 = norm()
+    self.post_feedforward_layernorm_1 = norm()
+    self.post_feedforward_layernorm_2 = norm()
+    self.layer_scalar = layers.Buffer(jnp.ones((1,), pdtype))
+    self.encoder_layer_scalar = layers.Buffer(jnp.ones((1,), pdtype))
+
+  def feed_forward(self, h: Array) -> Array:
+    """h [B, L, H] (residual after attention) -> h + post_ffw_norm(dense + moe)."""
+    dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+    flat = h.reshape(-1, h.shape[-1])
+    weights, idx = self.router(flat)
+    moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx).reshape(h.shape)
+    moe = self.post_feedforward_layernorm_2(moe)
+    return h + self.post_feedforward_layernorm(dense + moe)
+
+  def encode(self, x, cos, sin, cache_k, cache_v, start, mask):
+    attn, cache_k, cache_v = self.self_attn.encode(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
+    h = x + self.post_attention_layernorm(attn)
+    out = self.feed_forward(h) * self.encoder_layer_scalar[...].astype(x.dtype)
+    return out, cache_k, cache_v
+
+  def decode(self, x, cos, sin, cache_k, cache_v, prefix_mask, canvas_mask):
+    attn = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache_k, cache_v, prefix_mask, canvas_mask)
+    h = x + self.post_attention_layernorm(attn)
+    return self.feed_forward(h) * self.layer_scalar[...].astype(x.dtype)
+
+
+class SelfConditioning(nnx.Module):
+  """`post_norm_noscale(embeds + down(gelu_tanh(gate n) * up n))` with `n = pre_norm(soft_embeddings)`."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    dtype, pdtype = _dtype(config.dtype), _dtype(config.param_dtype)
+    h, eps = config.hidden_size, config.rms_norm_eps
+    self.pre_norm = layers.RMSNorm(h, eps=eps, param_dtype=pdtype)
+    self.post_norm = layers.RMSNorm(h, eps=eps, with_scale=False)
+    self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                          std=config.initializer_range)
+
+  def __call__(self, embeds: Array, soft: Array) -> Array:
+    return self.post_norm(embeds + self.mlp(self.pre_norm(soft)))
+
+
+class DiffusionGemma(nnx.Module):
+  """The DiffusionGemma text backbone (Flax NNX). See `__call__`, `encode`, `decode`."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    pdtype = _dtype(config.param_dtype)
+    self.dtype = _dtype(config.dtype)
+    with nnx.use_eager_sharding(False):
+      self.embed_tokens = layers.param(rngs, nnx.initializers.normal(config.initializer_range),
+                                       (config.vocab_size, config.hidden_size), pdtype, ("vocab", "embed"))
+      self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
+      self.norm = layers.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdtype)
+      self.self_conditioning = SelfConditioning(config, rngs=rngs)
+
+  # ---- pieces ----------------------------------------------------------------------------------------------------
+  def embed(self, ids: Array) -> Array:
+    """ids [B, L] -> [B, L, H]: `embed[ids] * sqrt(hidden)` with the scale cast to the weight dtype."""
+    w = self.embed_tokens[...]
+    scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype)
+    return (jnp.take(w, ids, axis=0) * scale).astype(self.dtype)
+
+  def lm_logits(self, hidden: Array) -> Array:
+    """hidden [B, L, H] (final-normed) -> soft-capped fp32 logits [B, L, V] through the tied embedding."""
+    w = self.embed_tokens[...].astype(self.dtype)
+    logits = jnp.einsum("blh,vh->blv", hidden, w).astype(jnp.float32)
+    cap = self.config.final_logit_softcapping
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+  def soft_embeddings(self, logits: Array) -> Array:
+    """logits [B, C, V] -> `softmax(logits) @ embed * embed_scale` [B, C, H]."""
+    w = self.embed_tokens[...]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(w.dtype)
+    scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype).astype(self.dtype)
+    return (jnp.einsum("bcv,vh->bch", probs, w).astype(self.dtype) * scale)
+
+  def _rope(self, positions: Array) -> dict[str, tuple[Array, Array]]:
+    cfg = self.config
+    inv_freq = {
+        SLIDING: layers.rope_inv_freq(cfg.sliding_rope, cfg.head_dim),
+        FULL: layers.rope_inv_freq(cfg.full_rope, cfg.global_head_dim),
+    }
+    return {t: layers.rope_cos_sin(positions, f, self.dtype) for t, f in inv_freq.items()}
+
+  def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
+    """An empty cache with room for `capacity` positions per row."""
+    return KVCache.empty(self.config, batch_size, capacity, dtype or self.dtype)
+
+  # ---- modes -----------------------------------------------------------------------------------------------------
+  def encode(self, input_ids: Array, cache: KVCache, attention_mask: Array | None = None) -> tuple[Array, KVCache]:
+    """Causal encoder pass that appends `input_ids [B, L]` to `cache` at each row's `cache.length`.
+
+    attention_mask [B, L] (False = padding; left padding allowed). Returns the final-normed hidden states
+    [B, L, H] (for the encoder's autoregressive loss) and the updated cache. Positions are `length + arange(L)`.
+    """
+    b, l = input_ids.shape
+    start = cache.length
+    positions = start[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]  # [B, L]
+    mask_new = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
+    valid = jax.vmap(lambda v, m, s: jax.lax.dynamic_update_slice_in_dim(v, m, s, axis=0))(cache.valid, mask_new,
+                                                                                             start)
+    masks = {
+        SLIDING: encoder_mask(valid, positions, self.config.sliding_window),
+        FULL: encoder_mask(valid, positions, None),
+    }
+    rope = self._rope(positions)
+    x = self.embed(input_ids)
+    keys, values = list(cache.keys), list(cache.values)
+    for i, layer in enumerate(self.layers):
+      t = self.config.layer_types[i]
+      x, keys[i], values[i] = layer.encode(x, *rope[t], keys[i], values[i], start, masks[t])
+    new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
+    return self.norm(x), new_cache
+
+  def decode(self, canvas: Array, cache: KVCache, self_conditioning_logits: Array | None = None,
+             self_conditioning_mask: Array | None = None, canvas_attention_mask: Array | None = None) -> Array:
+    """Bidirectional decoder pass over `canvas [B, C]` reading (never writing) `cache` -> logits [B, C, V] fp32.
+
+    self_conditioning_logits [B, C, V]: the previous step's logits (None: zero soft embedding, i.e. SC off).
+    self_conditioning_mask [B] bool: rows where False get a zero soft embedding.
+    canvas_attention_mask [B|1, N|1, C, C] bool: optional task structure restricting canvas-to-canvas attention
+    (not part of the reference architecture; see `hackable_diffusion.model.structure`).
+    """
+    b, c = canvas.shape
+    x = self.embed(canvas)
+    if self_conditioning_logits is None:
+      soft = jnp.zeros_like(x)
+    else:
+      soft = self.soft_embeddings(self_conditioning_logits)
+      if self_conditioning_mask is not None:
+        soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
+    x = self.self_conditioning(x, soft)
+    positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    rope = self._rope(positions)
+    prefix = {
+        SLIDING: decoder_prefix_mask(cache.valid, cache.length, self.config.sliding_window),
+        FULL: decoder_prefix_mask(cache.valid, cache.length, None),
+    }
+    for i, layer in enumerate(self.layers):
+      t = self.config.layer_types[i]
+      x = layer.decode(x, *rope[t], cache.keys[i], cache.values[i], prefix[t], canvas_attention_mask)
+    return self.lm_logits(self.norm(x))
+
+  def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
+               self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None) -> Array:
+    """Encode the prompt `[B, P]`, denoise the canvas `[B, C]` -> logits `[B, C, V]` fp32 (soft-capped).
+
+    Same meaning as transformers' `DiffusionGemmaForBlockDiffusion.forward(...).logits` with the decoder mask
+    being `attention_mask` extended with ones over the canvas (what its `generate` passes).
+    """
+    cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
+    _, cache = self.encode(input_ids, cache, attention_mask)
+    return self.decode(decoder_input_ids, cache, self_conditioning_logits, self_conditioning_mask)
