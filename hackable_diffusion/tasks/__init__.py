@@ -1,0 +1,1 @@
+"""Tasks: a task is data (generator, formatting) plus metrics; add new tasks as sibling packages."""
