@@ -1,0 +1,176 @@
+"""The SFT objective of a block-diffusion DiffusionGemma (REFERENCE §3).
+
+Per example: the encoder runs causally over prompt + clean completion (teacher forcing) and writes the KV cache;
+one valid canvas of the completion is chosen uniformly, corrupted with the uniform-state process at a random
+time `t`, and denoised by the decoder, which attends to the prompt, the clean canvases before it, and itself.
+
+Loss = diffusion term on the chosen canvas + `encoder_ar_weight` * next-token cross-entropy of the encoder over
+the completion. Diffusion-term variants (`LossConfig.variant`):
+- `flat` (default; the gemma JAX adapter / TRL / NeMo recipes): mean cross-entropy over every valid position of
+  the canvas, corrupted or not, without a 1/t weight.
+- `corrupted`: mean cross-entropy over the valid positions that were resampled (MDLM-style "loss on noised
+  tokens only", as used by masked-diffusion SFT).
+- `elbo`: the continuous-time negative ELBO of the uniform-state process (UDLM, Schiff et al. 2024, "Simple
+  Guidance Mechanisms for Discrete Diffusion Models", eq. 14; Duo, Sahoo et al. 2025), derived from the CTMC
+  path-measure KL with reverse rates `R(z->y) = (beta_t / N) * xbar_y / xbar_z`, `xbar = N alpha_t x + 1 - alpha_t`,
+  `beta_t = -alpha'_t / alpha_t`, and the model's rates using `x_theta = softmax(logits)` in place of `x`.
+
+Self-conditioning: with probability `self_conditioning_prob` per example, a first decoder pass without
+self-conditioning is run, its logits (gradient stopped) feed the second pass; otherwise the second pass has a
+zero soft embedding (identical to the first pass). The loss is on the second pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hackable_diffusion.data.sft import SFTBatch, num_valid_canvases
+from hackable_diffusion.diffusion import corruption
+
+_VARIANTS = ("flat", "corrupted", "elbo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  variant: str = "flat"
+  schedule: str = "linear"
+  time_eps: float = 1e-4
+  self_conditioning_prob: float = 0.5
+  encoder_ar_weight: float = 1.0
+
+  def __post_init__(self):
+    if self.variant not in _VARIANTS:
+      raise ValueError(f"diffusion.loss_variant={self.variant!r}; expected one of {_VARIANTS}")
+    corruption.get_schedule(self.schedule)
+    if not 0.0 <= self.time_eps < 0.5:
+      raise ValueError(f"diffusion.time_eps={self.time_eps}; expected a value in [0, 0.5)")
+    if not 0.0 <= self.self_conditioning_prob <= 1.0:
+      raise ValueError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
+    if self.encoder_ar_weight < 0:
+      raise ValueError(f"diffusion.encoder_ar_weight={self.encoder_ar_weight}; expected >= 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoisedCanvas:
+  """The random draws of one loss evaluation (so an independent implementation can reuse them).
+
+  canvas_index [B] int32, t [B] f32, clean/noisy [B, C] int32, valid/corrupted [B, C] bool, use_sc [B] bool.
+  """
+
+  canvas_index: jax.Array
+  t: jax.Array
+  clean: jax.Array
+  noisy: jax.Array
+  valid: jax.Array
+  corrupted: jax.Array
+  use_sc: jax.Array
+
+
+def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: int, config: LossConfig) -> NoisedCanvas:
+  """Chooses a canvas per example, a time, the corruption and the self-conditioning coin."""
+  k_canvas, k_time, k_noise, k_sc = jax.random.split(key, 4)
+  n_valid = num_valid_canvases(batch.completion_mask, canvas_length)
+  index = corruption.choose_canvas(k_canvas, n_valid)
+  clean, valid = corruption.gather_canvas(batch.completion_ids, batch.completion_mask, index, canvas_length)
+  b = clean.shape[0]
+  t = corruption.sample_time(k_time, b, config.time_eps)
+  alpha = corruption.get_schedule(config.schedule).alpha(t)
+  noisy, corrupted = corruption.corrupt_uniform(k_noise, clean, alpha, vocab_size)
+  use_sc = jax.random.bernoulli(k_sc, config.self_conditioning_prob, (b,))
+  return NoisedCanvas(index, t, clean, noisy, valid, corrupted, use_sc)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """logits [..., V] fp32, targets [...] int -> per-position CE [...]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def uniform_elbo_integrand(logits: jax.Array, clean: jax.Array, noisy: jax.Array, alpha: jax.Array,
+                           dalpha: jax.Array) -> jax.Array:
+  """Per-position continuous-time NELBO integrand of uniform-state diffusion, `[B, C]`.
+
+  `(beta/N) [N/xbar_theta_z - N/xbar_z + sum_{y != z} (xbar_y/xbar_z) log(xbar_y xbar_theta_z / (xbar_z xbar_theta_y))]`
+  with `z` the noisy token, `beta = -alpha'/alpha`. Zero iff the model puts all mass on the clean token.
+  logits [B, C, V]; clean/noisy [B, C]; alpha/dalpha [B].
+  """
+  v = logits.shape[-1]
+  a = alpha[:, None, None].astype(jnp.float32)
+  log_na = jnp.log(v * a)
+  log_1ma = jnp.log1p(-a)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  log_xbar_theta = jnp.logaddexp(log_na + logp, log_1ma)  # log(N a p_y + 1 - a)  [B, C, V]
+  onehot = jax.nn.one_hot(clean, v, dtype=jnp.float32)
+  log_xbar = jnp.where(onehot > 0, jnp.logaddexp(log_na, log_1ma), log_1ma)  # clean x is one-hot
+  z = noisy[..., None].astype(jnp.int32)
+  log_xbar_z = jnp.take_along_axis(log_xbar, z, axis=-1)  # [B, C, 1]
+  log_xbar_theta_z = jnp.take_along_axis(log_xbar_theta, z, axis=-1)
+  not_z = jax.nn.one_hot(noisy, v, dtype=jnp.float32) == 0
+  ratio = jnp.exp(log_xbar - log_xbar_z)
+  log_term = log_xbar + log_xbar_theta_z - log_xbar_z - log_xbar_theta
+  total = jnp.sum(jnp.where(not_z, ratio * log_term, 0.0), axis=-1)
+  total = total + v * jnp.exp(-log_xbar_theta_z[..., 0]) - v * jnp.exp(-log_xbar_z[..., 0])
+  beta = -dalpha / alpha
+  return (beta[:, None] / v) * total
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
+                   noise: NoisedCanvas | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Total loss (scalar) and metrics for one batch. `noise` overrides the random draws (tests)."""
+  cfg = model.config
+  c, v = cfg.canvas_length, cfg.vocab_size
+  prompt_len = batch.prompt_ids.shape[1]
+  width = batch.completion_ids.shape[1]
+  if noise is None:
+    noise = draw_noise(key, batch, c, v, config)
+
+  # Encoder: causal over prompt + clean completion; writes the cache the decoder reads.
+  ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1).astype(jnp.int32)
+  mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1).astype(bool)
+  cache = model.init_cache(ids.shape[0], ids.shape[1])
+  hidden, cache = model.encode(ids, cache, mask)
+  metrics: dict[str, jax.Array] = {}
+  if config.encoder_ar_weight > 0:
+    ar_logits = model.lm_logits(hidden[:, prompt_len - 1: prompt_len + width - 1])  # predicts completion tokens
+    ar_loss = masked_mean(cross_entropy(ar_logits, batch.completion_ids), batch.completion_mask)
+  else:
+    ar_loss = jnp.zeros((), jnp.float32)
+
+  # Decoder: the chosen canvas sees the prompt and the clean canvases before it.
+  dec_cache = cache.replace(length=(prompt_len + noise.canvas_index * c).astype(jnp.int32))
+  if config.self_conditioning_prob > 0:
+    first = jax.lax.stop_gradient(model.decode(noise.noisy, dec_cache))
+    logits = model.decode(noise.noisy, dec_cache, first, noise.use_sc)
+  else:
+    logits = model.decode(noise.noisy, dec_cache)
+
+  ce = cross_entropy(logits, noise.clean)
+  if config.variant == "flat":
+    diff_loss = masked_mean(ce, noise.valid)
+  elif config.variant == "corrupted":
+    diff_loss = masked_mean(ce, noise.valid & noise.corrupted)
+  else:
+    schedule = corruption.get_schedule(config.schedule)
+    integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, schedule.alpha(noise.t),
+                                       schedule.dalpha(noise.t))
+    diff_loss = masked_mean(integrand, noise.valid)
+  loss = diff_loss + config.encoder_ar_weight * ar_loss
+  pred = jnp.argmax(logits, axis=-1)
+  metrics.update(
+      loss=loss,
+      diffusion_loss=diff_loss,
+      ar_loss=ar_loss,
+      accuracy_corrupted=masked_mean((pred == noise.clean).astype(jnp.float32), noise.valid & noise.corrupted),
+      accuracy=masked_mean((pred == noise.clean).astype(jnp.float32), noise.valid),
+      num_tokens=jnp.sum(noise.valid.astype(jnp.float32)),
+  )
+  return loss, metrics

@@ -1,0 +1,114 @@
+"""Pure, jitted train and eval steps: `(state, batch, key) -> (state, metrics)`.
+
+The model is split once into a graph definition and two states: the trainable variables (a filter, `nnx.Param`
+by default; `nnx.LoRAParam` under LoRA, so "train only adapters" is just a filter) and everything else
+(frozen weights, buffers such as `layer_scalar`). Only the trainable part has gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hackable_diffusion.data.sft import SFTBatch
+from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
+
+Metrics = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: number of applied updates
+  params: nnx.State  # trainable variables
+  rest: nnx.State  # non-trainable variables
+  opt_state: Any
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
+                     trainable: Any = nnx.Param) -> tuple[nnx.GraphDef, TrainState]:
+  graphdef, params, rest = nnx.split(model, trainable, ...)
+  opt_state = tx.init(params)
+  return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt_state)
+
+
+def state_to_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
+  return nnx.merge(graphdef, state.params, state.rest)
+
+
+def _split_microbatches(batch: SFTBatch, k: int) -> SFTBatch:
+  def split(x):
+    if x.shape[0] % k:
+      raise ValueError(f"batch size {x.shape[0]} is not divisible by train.grad_accum_steps={k}")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+def _select(pred: jax.Array, a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable:
+  def loss_fn(params, rest, batch, key):
+    model = nnx.merge(graphdef, params, rest)
+    return diffusion_loss(model, batch, key, loss_config)
+
+  return jax.value_and_grad(loss_fn, has_aux=True)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
+                    grad_accum_steps: int = 1, lr_schedule: Callable | None = None,
+                    donate: bool = True) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
+  """A jitted `(state, batch, key) -> (state, metrics)`.
+
+  Gradient accumulation splits the batch into `grad_accum_steps` micro-batches (scanned; keys folded with the
+  micro-batch index) and averages their gradients and metrics. A non-finite loss or gradient leaves the state
+  unchanged (`metrics['finite'] == False`), so the last good state is what a trainer saves.
+  """
+  grad_fn = make_loss_and_grad(graphdef, loss_config)
+
+  def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
+    if grad_accum_steps == 1:
+      (_, metrics), grads = grad_fn(state.params, state.rest, batch, key)
+    else:
+      micro = _split_microbatches(batch, grad_accum_steps)
+
+      def body(carry, xs):
+        i, mb = xs
+        (_, m), g = grad_fn(state.params, state.rest, mb, jax.random.fold_in(key, i))
+        acc_g, acc_m = carry
+        return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m)), None
+
+      zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+      _, m_shape = jax.eval_shape(grad_fn, state.params, state.rest, jax.tree.map(lambda x: x[0], micro), key)[0]
+      zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
+      (grads, metrics), _ = jax.lax.scan(body, (zeros_g, zeros_m), (jnp.arange(grad_accum_steps), micro))
+      grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+      metrics = {k: (v if k == "num_tokens" else v / grad_accum_steps) for k, v in metrics.items()}
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    new = TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
+    new = _select(finite, new, state)
+    metrics = dict(metrics, grad_norm=grad_norm, finite=finite)
+    if lr_schedule is not None:
+      metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+    return new, metrics
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable[[TrainState, SFTBatch, jax.Array], Metrics]:
+  """A jitted `(state, batch, key) -> metrics` (the training loss on held-out data)."""
+
+  def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> Metrics:
+    model = nnx.merge(graphdef, state.params, state.rest)
+    return diffusion_loss(model, batch, key, loss_config)[1]
+
+  return jax.jit(step)
