@@ -1,0 +1,150 @@
+"""The SFT loss against an independent computation with transformers' model on the same weights and noise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hackable_diffusion as hd
+from hackable_diffusion.data.sft import SFTBatch
+from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss, draw_noise, uniform_elbo_integrand
+
+C, P, N = 4, 5, 3  # canvas, prompt width, canvases per completion
+
+
+@pytest.fixture(scope="module")
+def setup(hf_factory):
+  ref, path = hf_factory("loss_model", canvas=C, vocab=64,
+                         layer_types=["sliding_attention", "full_attention", "full_attention"])
+  ours = hd.load_pretrained(path)
+  rng = np.random.default_rng(0)
+  prompt_len = np.array([5, 3, 2, 4])
+  comp_len = np.array([12, 5, 9, 1])
+  b = len(prompt_len)
+  prompt_mask = np.arange(P)[None] >= (P - prompt_len)[:, None]  # left padded
+  comp_mask = np.arange(N * C)[None] < comp_len[:, None]
+  prompt_ids = np.where(prompt_mask, rng.integers(3, 60, (b, P)), 0)
+  comp_ids = np.where(comp_mask, rng.integers(3, 60, (b, N * C)), 0)
+  batch = SFTBatch(prompt_ids=jnp.asarray(prompt_ids, jnp.int32), prompt_mask=jnp.asarray(prompt_mask),
+                   completion_ids=jnp.asarray(comp_ids, jnp.int32), completion_mask=jnp.asarray(comp_mask))
+  return ref, ours, batch
+
+
+def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float):
+  """Per example with transformers: encoder over prompt + clean completion; decoder over the noisy canvas."""
+  prompt_ids = torch.tensor(np.asarray(batch.prompt_ids), dtype=torch.long)
+  prompt_mask = torch.tensor(np.asarray(batch.prompt_mask), dtype=torch.long)
+  comp_ids = torch.tensor(np.asarray(batch.completion_ids), dtype=torch.long)
+  comp_mask = torch.tensor(np.asarray(batch.completion_mask), dtype=torch.long)
+  cap = ref.config.text_config.final_logit_softcapping
+  # AR term: encoder hidden at t predicts token t+1 over the completion.
+  ids = torch.cat([prompt_ids, comp_ids], 1)
+  mask = torch.cat([prompt_mask, comp_mask], 1)
+  with torch.no_grad():
+    hidden = ref.model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    logits = torch.tanh(ref.lm_head(hidden).float() / cap) * cap
+  ar_logits = logits[:, P - 1: P + N * C - 1]
+  ar_ce = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]), comp_ids.reshape(-1), reduction="none")
+  ar = float((ar_ce * comp_mask.reshape(-1)).sum() / comp_mask.sum())
+  # Diffusion term.
+  ces, weights = [], []
+  for i in range(ids.shape[0]):
+    k = int(noise.canvas_index[i])
+    prefix = ids[i: i + 1, : P + k * C]
+    prefix_mask = mask[i: i + 1, : P + k * C]
+    canvas = torch.tensor(np.asarray(noise.noisy[i: i + 1]), dtype=torch.long)
+    dec_mask = torch.cat([prefix_mask, torch.ones(1, C, dtype=torch.long)], 1)
+    with torch.no_grad():
+      first = ref(input_ids=prefix, attention_mask=prefix_mask, decoder_input_ids=canvas,
+                  decoder_attention_mask=dec_mask).logits
+      sc = first if bool(noise.use_sc[i]) else None
+      out = ref(input_ids=prefix, attention_mask=prefix_mask, decoder_input_ids=canvas,
+                decoder_attention_mask=dec_mask, self_conditioning_logits=sc).logits
+    clean = torch.tensor(np.asarray(noise.clean[i]), dtype=torch.long)
+    ce = F.cross_entropy(out[0], clean, reduction="none").numpy()
+    w = np.asarray(noise.valid[i])
+    if variant == "corrupted":
+      w = w & np.asarray(noise.corrupted[i])
+    ces.append(ce)
+    weights.append(w)
+  ces, weights = np.stack(ces), np.stack(weights).astype(np.float64)
+  diff = float((ces * weights).sum() / max(weights.sum(), 1.0))
+  return diff, ar, diff + ar_weight * ar
+
+
+@pytest.mark.parametrize("variant", ["flat", "corrupted"])
+def test_loss_equals_transformers_computation(setup, variant):
+  ref, ours, batch = setup
+  config = LossConfig(variant=variant, self_conditioning_prob=0.5, encoder_ar_weight=0.7)
+  key = jax.random.key(3)
+  noise = draw_noise(key, batch, C, 64, config)
+  # the draw exercises several canvases, both self-conditioning branches, and corrupted + clean positions
+  assert len(set(np.asarray(noise.canvas_index).tolist())) > 1
+  assert 0 < int(np.asarray(noise.use_sc).sum()) < 4
+  loss, metrics = jax.jit(lambda b, n: diffusion_loss(ours, b, key, config, noise=n))(batch, noise)
+  diff, ar, total = _reference_loss(ref, batch, noise, variant, 0.7)
+  assert abs(float(metrics["ar_loss"]) - ar) <= 1e-4
+  assert abs(float(metrics["diffusion_loss"]) - diff) <= 1e-4
+  assert abs(float(loss) - total) <= 2e-4
+
+
+def test_canvas_choice_respects_completion_length(setup):
+  _, _, batch = setup
+  counts = np.zeros((4, N), int)
+  for s in range(200):
+    noise = draw_noise(jax.random.key(s), batch, C, 64, LossConfig())
+    counts[np.arange(4), np.asarray(noise.canvas_index)] += 1
+  # completion lengths 12, 5, 9, 1 -> 3, 2, 3, 1 valid canvases of 4
+  np.testing.assert_array_equal(counts > 0, [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+
+
+def _posterior(s: float, t: float, z: int, x: np.ndarray, n: int) -> np.ndarray:
+  """q(z_s | z_t = z, x) for the uniform process with alpha = 1 - t, x a probability vector (brute force)."""
+  a_s, a_t = 1 - s, 1 - t
+  trans = (a_t / a_s) * np.eye(n) + (1 - a_t / a_s) / n  # q(z_t | z_s), rows z_s
+  prior = a_s * x + (1 - a_s) / n
+  num = trans[:, z] * prior
+  return num / num.sum()
+
+
+def test_elbo_integrand_is_the_continuous_time_kl_rate():
+  """The ELBO integrand equals lim KL(q(z_s|z_t,x) || q(z_s|z_t,x_theta)) / (t - s), by finite differences."""
+  jax.config.update("jax_enable_x64", True)
+  try:
+    rng = np.random.default_rng(0)
+    n = 6
+    cases = [(0, 0), (2, 2), (1, 4), (5, 3), (3, 0)]  # (clean, noisy) incl. noisy == clean
+    for clean, noisy in cases:
+      t = float(rng.uniform(0.05, 0.95))
+      logits = 2.0 * rng.standard_normal(n)
+      p = np.exp(logits) / np.exp(logits).sum()
+      dt = 1e-6
+      q_true = _posterior(t - dt, t, noisy, np.eye(n)[clean], n)
+      q_model = _posterior(t - dt, t, noisy, p, n)
+      rate = float(np.sum(q_true * np.log(q_true / q_model)) / dt)
+      got = uniform_elbo_integrand(jnp.asarray(logits)[None, None], jnp.array([[clean]]), jnp.array([[noisy]]),
+                                   jnp.array([1 - t]), jnp.array([-1.0]))
+      assert abs(float(got[0, 0]) - rate) <= 1e-4 * max(1.0, rate), (clean, noisy, rate, float(got[0, 0]))
+    # a perfect model has zero loss
+    perfect = jnp.full((1, 1, n), -1e4).at[0, 0, 2].set(1e4)
+    zero = uniform_elbo_integrand(perfect, jnp.array([[2]]), jnp.array([[4]]), jnp.array([0.5]), jnp.array([-1.0]))
+    assert abs(float(zero[0, 0])) < 1e-6
+  finally:
+    jax.config.update("jax_enable_x64", False)
+
+
+def test_elbo_variant_trains_a_finite_loss(setup):
+  _, ours, batch = setup
+  loss, metrics = jax.jit(lambda b: diffusion_loss(ours, b, jax.random.key(0), LossConfig(variant="elbo")))(batch)
+  assert np.isfinite(float(loss)) and float(metrics["diffusion_loss"]) > 0
+
+
+def test_loss_config_validation():
+  with pytest.raises(ValueError, match="loss_variant='mse'"):
+    LossConfig(variant="mse")
+  with pytest.raises(ValueError, match="self_conditioning_prob=1.5"):
+    LossConfig(self_conditioning_prob=1.5)

@@ -1,0 +1,80 @@
+"""The pure train step: it learns, it keeps the last good state on non-finite values, it honours the filter."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hackable_diffusion.data.sft import SFTBatch
+from hackable_diffusion.diffusion.loss import LossConfig
+from hackable_diffusion.model.config import get_preset
+from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
+from hackable_diffusion.training.step import init_train_state, make_train_step, state_to_model
+
+CFG = get_preset("tiny")
+
+
+def _batch(seed: int = 0) -> SFTBatch:
+  rng = np.random.default_rng(seed)
+  b, p, width = 4, 4, 2 * CFG.canvas_length
+  comp = np.tile(np.arange(3, 3 + width)[None], (b, 1))  # a fixed, learnable completion
+  return SFTBatch(prompt_ids=jnp.asarray(rng.integers(3, 60, (b, p)), jnp.int32), prompt_mask=jnp.ones((b, p), bool),
+                  completion_ids=jnp.asarray(comp, jnp.int32), completion_mask=jnp.ones((b, width), bool))
+
+
+@pytest.fixture(scope="module")
+def stepper():
+  tx, schedule = make_optimizer(OptimizerConfig(peak_lr=3e-3, warmup_steps=0, decay_steps=100))
+  graphdef, state = init_train_state(init_model(CFG, 0), tx)
+  return graphdef, state, make_train_step(graphdef, tx, LossConfig(), lr_schedule=schedule, donate=False)
+
+
+def test_loss_falls_and_step_counts(stepper):
+  _, state, step = stepper
+  batch, losses = _batch(), []
+  for i in range(40):
+    state, metrics = step(state, batch, jax.random.key(i))
+    losses.append(float(metrics["loss"]))
+  assert int(state.step) == 40
+  assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+
+
+def test_non_finite_update_keeps_the_previous_state(stepper):
+  graphdef, state, step = stepper
+  poisoned = jax.tree.map(lambda x: x, state)
+  emb = poisoned.params["embed_tokens"]
+  emb.value = emb.value.at[5, 0].set(jnp.nan)
+  new, metrics = step(poisoned, _batch(), jax.random.key(0))
+  assert not bool(metrics["finite"])
+  assert int(new.step) == int(poisoned.step)
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(poisoned.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_only_trainable_filter_changes():
+  tx, _ = make_optimizer(OptimizerConfig(peak_lr=1e-2, warmup_steps=0))
+  model = init_model(CFG, 1)
+  frozen_before = np.asarray(model.layers[0].mlp.up_proj.kernel[...]).copy()
+  only_norms = lambda path, var: "norm" in "/".join(map(str, path))  # noqa: E731
+  graphdef, state = init_train_state(model, tx, trainable=only_norms)
+  step = make_train_step(graphdef, tx, LossConfig(), donate=False)
+  new, _ = step(state, _batch(), jax.random.key(0))
+  after = state_to_model(graphdef, new)
+  np.testing.assert_array_equal(np.asarray(after.layers[0].mlp.up_proj.kernel[...]), frozen_before)
+  assert not np.array_equal(np.asarray(after.layers[0].input_layernorm.weight[...]),
+                            np.asarray(state_to_model(graphdef, state).layers[0].input_layernorm.weight[...]))
+
+
+def test_gradient_accumulation_runs_microbatches_and_rejects_bad_sizes():
+  tx, _ = make_optimizer(OptimizerConfig(peak_lr=1e-3, warmup_steps=0))
+  graphdef, state = init_train_state(init_model(CFG, 2), tx)
+  step = make_train_step(graphdef, tx, LossConfig(self_conditioning_prob=0.0), grad_accum_steps=2, donate=False)
+  new, metrics = step(state, _batch(), jax.random.key(0))
+  assert int(new.step) == 1
+  assert float(metrics["num_tokens"]) == 4 * CFG.canvas_length  # one canvas per example, summed over micro-batches
+  three = make_train_step(graphdef, tx, LossConfig(), grad_accum_steps=3, donate=False)
+  with pytest.raises(ValueError, match="grad_accum_steps=3"):
+    three(state, _batch(), jax.random.key(0))
