@@ -104,7 +104,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
   moe_impl: str = "dense"  # "dense": every expert on every token (small E); "ragged": grouped matmul (large E)
-  attention_structure: str | None = None  # name of a task-registered attention structure (see model/structure.py)
+  attention_structure: str | None = None  # task attention structure for the canvas (see model/structure.py)
 
   def __post_init__(self):
     positive = (

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import layers, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -180,6 +180,8 @@ class DiffusionGemma(nnx.Module):
       if self_conditioning_mask is not None:
         soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
     x = self.self_conditioning(x, soft)
+    if canvas_attention_mask is None and self.config.attention_structure is not None:
+      canvas_attention_mask = jnp.asarray(structure.canvas_mask(self.config))
     positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     rope = self._rope(positions)
     prefix = {
