@@ -133,9 +133,11 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   if noise is None:
     noise = draw_noise(key, batch, c, v, config)
 
-  # Encoder: causal over prompt + clean completion; writes the cache the decoder reads.
-  ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1).astype(jnp.int32)
-  mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1).astype(bool)
+  # Encoder: causal over prompt + clean completion; writes the cache the decoder reads. Without the AR term the
+  # last canvas is never context for a decoder, so it is not encoded (a single-canvas task encodes the prompt only).
+  context = width if config.encoder_ar_weight > 0 else width - c
+  ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids[:, :context]], axis=1).astype(jnp.int32)
+  mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask[:, :context]], axis=1).astype(bool)
   cache = model.init_cache(ids.shape[0], ids.shape[1])
   hidden, cache = model.encode(ids, cache, mask)
   metrics: dict[str, jax.Array] = {}
