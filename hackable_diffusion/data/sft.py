@@ -59,6 +59,9 @@ class SFTDataConfig:
       with both string fields. Blank lines are always ignored.
     batch_size, shuffle, seed, num_epochs (None = repeat forever), drop_remainder: batching.
     prefetch_batches: batches prepared ahead by one background thread (0 = none).
+    pinned_field: optional JSON key of a string of '0'/'1' (one per completion token, eos excluded)
+      marking completion tokens known at sampling time (infilling, e.g. Sudoku givens). Pinned tokens
+      are never corrupted in training and are left out of the diffusion loss; the sampler pins them.
   """
 
   path: str | Sequence[str]
@@ -78,6 +81,7 @@ class SFTDataConfig:
   num_epochs: int | None = None
   drop_remainder: bool = True
   prefetch_batches: int = 2
+  pinned_field: str | None = None
 
   def __post_init__(self):
     paths = (self.path,) if isinstance(self.path, (str, os.PathLike)) else tuple(self.path)
@@ -146,6 +150,7 @@ class SFTBatch:
   prompt_mask: Any
   completion_ids: Any
   completion_mask: Any
+  completion_pinned: Any = None  # optional [B, N*C] bool: tokens known at sampling time (infilling)
 
   def num_valid_canvases(self, canvas_length: int):
     """[B] int32: canvases holding at least one completion token (at least 1)."""
@@ -168,6 +173,7 @@ class SFTRecords:
   completions: list[str]        # raw completion texts
   sources: list[tuple[str, int]]
   stats: dict[str, int]
+  completion_pinned: np.ndarray | None = None  # [R, N*C] bool when `pinned_field` is set
 
   def __len__(self) -> int:
     return int(self.prompt_ids.shape[0])
@@ -190,6 +196,7 @@ class SFTRecords:
         prompt_mask=_left_mask(self.prompt_lengths[idx], self.prompt_ids.shape[1]),
         completion_ids=self.completion_ids[idx],
         completion_mask=_right_mask(self.completion_lengths[idx], self.completion_ids.shape[1]),
+        completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
     )
 
   def select(self, indices) -> 'SFTRecords':
@@ -199,6 +206,7 @@ class SFTRecords:
         self,
         prompt_ids=self.prompt_ids[idx], prompt_lengths=self.prompt_lengths[idx],
         completion_ids=self.completion_ids[idx], completion_lengths=self.completion_lengths[idx],
+        completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
         prompts=[self.prompts[i] for i in idx], completions=[self.completions[i] for i in idx],
         sources=[self.sources[i] for i in idx])
 
@@ -217,16 +225,16 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _read_jsonl(path: str, config: SFTDataConfig, stats: dict[str, int]
-                ) -> tuple[list[str], list[str], list[int]]:
-  """Reads one file -> (prompts, completions, line numbers); raises/counts malformed lines."""
+                ) -> tuple[list[str], list[str], list[int], list[str | None]]:
+  """Reads one file -> (prompts, completions, line numbers, pinned strings); raises/counts malformed lines."""
   if not os.path.exists(path):
     raise DataError(f'{path}: data file not found')
   if os.path.isdir(path):
     raise DataError(f'{path}: is a directory, expected a JSONL file')
   with open(path, 'rb') as f:
     raw = f.read()
-  prompts, completions, lines = [], [], []
-  pf, cf = config.prompt_field, config.completion_field
+  prompts, completions, lines, pins = [], [], [], []
+  pf, cf, pinf = config.prompt_field, config.completion_field, config.pinned_field
   for lineno, bline in enumerate(raw.split(b'\n'), start=1):
     if not bline.strip():
       continue
@@ -255,6 +263,10 @@ def _read_jsonl(path: str, config: SFTDataConfig, stats: dict[str, int]
               problem = (f'field {field!r} must be a string, got {type(obj[field]).__name__} '
                          f'{_short(obj[field])}')
               break
+          if problem is None and pinf is not None:
+            pin = obj.get(pinf)
+            if not isinstance(pin, str) or set(pin) - {'0', '1'}:
+              problem = f"field {pinf!r} (pinned_field) must be a string of '0'/'1', got {_short(pin)}"
     if problem is not None:
       if config.on_malformed == 'error':
         raise DataError(f"{path}:{lineno}: {problem}; set on_malformed='skip' to skip such lines")
@@ -263,7 +275,8 @@ def _read_jsonl(path: str, config: SFTDataConfig, stats: dict[str, int]
     prompts.append(obj[pf])
     completions.append(obj[cf])
     lines.append(lineno)
-  return prompts, completions, lines
+    pins.append(obj[pinf] if pinf is not None else None)
+  return prompts, completions, lines, pins
 
 
 def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
@@ -276,14 +289,15 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   if path is not None:
     config = dataclasses.replace(config, path=path)
   stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0}
-  prompts, completions, sources = [], [], []
+  prompts, completions, sources, pins = [], [], [], []
   for p in config.paths:
-    ps, cs, ls = _read_jsonl(p, config, stats)
+    ps, cs, ls, pin = _read_jsonl(p, config, stats)
     if not ps:
       what = 'no records' if not stats['skipped_malformed'] else 'no valid records'
       raise DataError(f'{p}: {what} (empty file or only blank/skipped lines)')
     prompts += ps
     completions += cs
+    pins += pin
     sources += [(p, n) for n in ls]
 
   template = config.chat_template
@@ -302,8 +316,16 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   completion_ids = np.full((num, cap), pad, np.int32)
   prompt_lengths = np.zeros((num,), np.int32)
   completion_lengths = np.zeros((num,), np.int32)
+  completion_pinned = np.zeros((num, cap), bool) if config.pinned_field is not None else None
   truncate = config.on_overlength == 'truncate'
   for i, (pt, ct) in enumerate(zip(prompt_tokens, completion_tokens)):
+    if completion_pinned is not None:
+      if len(pins[i]) != len(ct):
+        f, n = sources[i]
+        raise DataError(f'{f}:{n}: {config.pinned_field!r} has {len(pins[i])} entries but the completion has '
+                        f'{len(ct)} tokens (one 0/1 per completion token, eos excluded)')
+      width = min(len(ct), cap)
+      completion_pinned[i, :width] = np.frombuffer(pins[i].encode(), np.uint8)[:width] == ord('1')
     if config.add_bos:
       pt = [tokenizer.bos_id] + pt
     if config.append_eos:
@@ -337,7 +359,8 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   (logging.warning if any(stats.values()) else logging.info)(msg)
   return SFTRecords(prompt_ids=prompt_ids, prompt_lengths=prompt_lengths,
                     completion_ids=completion_ids, completion_lengths=completion_lengths,
-                    prompts=prompts, completions=completions, sources=sources, stats=stats)
+                    prompts=prompts, completions=completions, sources=sources, stats=stats,
+                    completion_pinned=completion_pinned)
 
 
 # ------------------------------------------------------------------------------------------ dataset

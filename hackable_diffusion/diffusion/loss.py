@@ -58,7 +58,8 @@ class LossConfig:
 class NoisedCanvas:
   """The random draws of one loss evaluation (so an independent implementation can reuse them).
 
-  canvas_index [B] int32, t [B] f32, clean/noisy [B, C] int32, valid/corrupted [B, C] bool, use_sc [B] bool.
+  canvas_index [B] int32, t [B] f32, clean/noisy [B, C] int32, valid/corrupted/pinned [B, C] bool,
+  use_sc [B] bool. Pinned positions (tokens known at sampling time) are never corrupted and not in the loss.
   """
 
   canvas_index: jax.Array
@@ -68,6 +69,7 @@ class NoisedCanvas:
   valid: jax.Array
   corrupted: jax.Array
   use_sc: jax.Array
+  pinned: jax.Array
 
 
 def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: int, config: LossConfig) -> NoisedCanvas:
@@ -76,12 +78,17 @@ def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: 
   n_valid = num_valid_canvases(batch.completion_mask, canvas_length)
   index = corruption.choose_canvas(k_canvas, n_valid)
   clean, valid = corruption.gather_canvas(batch.completion_ids, batch.completion_mask, index, canvas_length)
+  if batch.completion_pinned is None:
+    pinned = jnp.zeros(clean.shape, bool)
+  else:
+    pinned, _ = corruption.gather_canvas(batch.completion_pinned, batch.completion_mask, index, canvas_length)
+    pinned = pinned.astype(bool) & valid
   b = clean.shape[0]
   t = corruption.sample_time(k_time, b, config.time_eps)
   alpha = corruption.get_schedule(config.schedule).alpha(t)
-  noisy, corrupted = corruption.corrupt_uniform(k_noise, clean, alpha, vocab_size)
+  noisy, corrupted = corruption.corrupt_uniform(k_noise, clean, alpha, vocab_size, protected_mask=pinned)
   use_sc = jax.random.bernoulli(k_sc, config.self_conditioning_prob, (b,))
-  return NoisedCanvas(index, t, clean, noisy, valid, corrupted, use_sc)
+  return NoisedCanvas(index, t, clean, noisy, valid, corrupted, use_sc, pinned)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -156,15 +163,16 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     logits = model.decode(noise.noisy, dec_cache)
 
   ce = cross_entropy(logits, noise.clean)
+  free = noise.valid & ~noise.pinned  # positions the model has to predict
   if config.variant == "flat":
-    diff_loss = masked_mean(ce, noise.valid)
+    diff_loss = masked_mean(ce, free)
   elif config.variant == "corrupted":
-    diff_loss = masked_mean(ce, noise.valid & noise.corrupted)
+    diff_loss = masked_mean(ce, free & noise.corrupted)
   else:
     schedule = corruption.get_schedule(config.schedule)
     integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, schedule.alpha(noise.t),
                                        schedule.dalpha(noise.t))
-    diff_loss = masked_mean(integrand, noise.valid)
+    diff_loss = masked_mean(integrand, free)
   loss = diff_loss + config.encoder_ar_weight * ar_loss
   pred = jnp.argmax(logits, axis=-1)
   metrics.update(
@@ -172,7 +180,7 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
       diffusion_loss=diff_loss,
       ar_loss=ar_loss,
       accuracy_corrupted=masked_mean((pred == noise.clean).astype(jnp.float32), noise.valid & noise.corrupted),
-      accuracy=masked_mean((pred == noise.clean).astype(jnp.float32), noise.valid),
-      num_tokens=jnp.sum(noise.valid.astype(jnp.float32)),
+      accuracy=masked_mean((pred == noise.clean).astype(jnp.float32), free),
+      num_tokens=jnp.sum(free.astype(jnp.float32)),
   )
   return loss, metrics

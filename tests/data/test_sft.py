@@ -288,3 +288,27 @@ def test_no_batch_possible_is_an_error(tmp_path, tok):
   # repeating forever, a batch can be filled from two epochs
   ds = make_sft_dataset(config(path, batch_size=4), tok)
   assert next(ds.iterator()).prompt_ids.shape == (4, 6)
+
+
+def test_pinned_field_marks_completion_tokens(tmp_path, tok):
+  path = write_jsonl(tmp_path / 'p.jsonl', [
+      {'prompt': '12', 'completion': '3456', 'pins': '1001'},
+      {'prompt': '7', 'completion': '89', 'pins': '01'},
+  ])
+  records = load_records(None, config(path, pinned_field='pins', canvas_length=4, max_canvases=2), tok)
+  np.testing.assert_array_equal(records.completion_pinned[:, :5], [[1, 0, 0, 1, 0], [0, 1, 0, 0, 0]])
+  assert not records.completion_pinned[:, 5:].any()  # eos and padding are never pinned
+  batch = records.batch([1, 0])
+  np.testing.assert_array_equal(batch.completion_pinned[0, :2], [False, True])
+
+
+def test_pinned_field_errors_name_file_and_line(tmp_path, tok):
+  path = write_jsonl(tmp_path / 'p.jsonl', [{'prompt': '1', 'completion': '23', 'pins': '1'}])
+  with pytest.raises(DataError) as e:
+    load_records(None, config(path, pinned_field='pins'), tok)
+  one_line_error(e, path, 1)
+  assert "'pins' has 1 entries but the completion has 2 tokens" in str(e.value)
+  bad = write_jsonl(tmp_path / 'q.jsonl', [{'prompt': '1', 'completion': '23', 'pins': '1x'}])
+  with pytest.raises(DataError) as e:
+    load_records(None, config(bad, pinned_field='pins'), tok)
+  one_line_error(e, bad, 1)

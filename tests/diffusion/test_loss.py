@@ -149,3 +149,25 @@ def test_loss_config_validation():
     LossConfig(variant="mse")
   with pytest.raises(ValueError, match="self_conditioning_prob=1.5"):
     LossConfig(self_conditioning_prob=1.5)
+
+
+def test_pinned_tokens_are_never_corrupted_and_not_in_the_loss(setup):
+  _, ours, batch = setup
+  pinned = np.zeros(batch.completion_ids.shape, bool)
+  pinned[:, ::2] = True
+  pinned_batch = batch.replace(completion_pinned=jnp.asarray(pinned))
+  config = LossConfig(time_eps=0.4)  # heavy noise: most free positions resampled
+  for s in range(5):
+    noise = draw_noise(jax.random.key(s), pinned_batch, C, 64, config)
+    pin = np.asarray(noise.pinned)
+    assert pin.any()
+    np.testing.assert_array_equal(np.asarray(noise.noisy)[pin], np.asarray(noise.clean)[pin])
+    assert not np.asarray(noise.corrupted)[pin].any()
+  # the diffusion loss ignores pinned positions: changing their logits' targets does not matter
+  noise = draw_noise(jax.random.key(0), pinned_batch, C, 64, config)
+  other = noise.__class__(**{**noise.__dict__, "clean": jnp.where(noise.pinned, 7, noise.clean)})
+  f = jax.jit(lambda n: diffusion_loss(ours, pinned_batch, jax.random.key(0), LossConfig(encoder_ar_weight=0.0),
+                                       noise=n)[1]["diffusion_loss"])
+  assert float(f(noise)) == float(f(other))
+  unpinned = noise.__class__(**{**noise.__dict__, "pinned": jnp.zeros_like(noise.pinned)})
+  assert float(f(unpinned)) != float(f(noise))
