@@ -216,6 +216,11 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   cannot run.
   """
   config = model.config
+  from hackable_diffusion.lora import adapters as lora_adapters  # local: lora imports this module
+
+  if lora_adapters.has_lora(model):
+    raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "
+                          "interop.export.export_merged)")
   if config.attention_structure is not None:
     raise CheckpointError(
         f"model uses attention_structure={config.attention_structure!r}, which transformers/vLLM cannot run; "

@@ -18,6 +18,7 @@ from flax import nnx
 
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
+from hackable_diffusion.lora import adapters as lora_adapters
 
 Metrics = dict[str, jax.Array]
 
@@ -55,6 +56,8 @@ def _select(pred: jax.Array, a: Any, b: Any) -> Any:
 
 def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable:
   def loss_fn(params, rest, batch, key):
+    # LoRA dropout draws from a key carried in the state (a no-op for models without dropout adapters).
+    rest = lora_adapters.set_dropout_key(rest, jax.random.fold_in(key, 0x10A))
     model = nnx.merge(graphdef, params, rest)
     return diffusion_loss(model, batch, key, loss_config)
 
@@ -63,8 +66,10 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Calla
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
                     grad_accum_steps: int = 1, lr_schedule: Callable | None = None,
-                    donate: bool = True) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
-  """A jitted `(state, batch, key) -> (state, metrics)`.
+                    donate: bool = True,
+                    jit: bool = True) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
+  """A jitted `(state, batch, key) -> (state, metrics)` (`jit=False`: the pure function, for callers that jit it
+  themselves, e.g. with explicit shardings in `hackable_diffusion.sharding.make_sharded_train_step`).
 
   Gradient accumulation splits the batch into `grad_accum_steps` micro-batches (scanned; keys folded with the
   micro-batch index) and averages their gradients and metrics. A non-finite loss or gradient leaves the state
@@ -101,6 +106,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
     return new, metrics
 
+  if not jit:
+    return step
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 

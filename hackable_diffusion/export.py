@@ -1,0 +1,111 @@
+"""Export a fine-tuned model for serving: a PEFT adapter or a merged Hugging Face checkpoint.
+
+  python -m hackable_diffusion.export --workdir=runs/sudoku --out=DIR --format=peft|merged [--dtype=bfloat16]
+      [--step=N] [--base_model=HF_DIR_OR_HUB_ID]
+  python -m hackable_diffusion.export --checkpoint=HF_DIR [--adapter=PEFT_DIR] --out=DIR --format=peft|merged
+
+From a workdir: the checkpoint of `--step` (default: the latest) of a run of `hackable_diffusion.train`, with the
+run's tokenizer and its evaluation sampler settings as generation defaults. From `--checkpoint`: a HF
+DiffusionGemma directory, optionally with a PEFT adapter on top (e.g. to merge an adapter trained elsewhere).
+
+`--format=merged` folds the adapters into the weights (each update once; PEFT's `merge_and_unload()` is wrong on
+this model, see docs/lora.md) and writes config.json + safetensors (`--dtype`, default bfloat16) +
+generation_config.json + tokenizer: what transformers and vLLM load. `--format=peft` writes
+adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained(base, DIR)`; the base is the run's
+`model.checkpoint` (or `--checkpoint`) unless `--base_model` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+
+from hackable_diffusion.training import config as config_lib
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A HF DiffusionGemma directory (instead of --workdir).")
+_ADAPTER = flags.DEFINE_string("adapter", None, "A PEFT LoRA adapter directory applied on top of --checkpoint.")
+_OUT = flags.DEFINE_string("out", None, "Output directory.")
+_FORMAT = flags.DEFINE_enum("format", None, ["peft", "merged"], "peft: adapter files; merged: a full checkpoint.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
+                           "Storage dtype of a merged checkpoint (adapters are written in float32).")
+_BASE = flags.DEFINE_string("base_model", None, "base_model_name_or_path recorded in adapter_config.json.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file or directory to include (default: the run's, "
+                                 "or the tokenizer files of --checkpoint).")
+
+
+def _source() -> dict:
+  """The model to export and what goes with it: model, base, tokenizer, vision source, generation defaults."""
+  if bool(_WORKDIR.value) == bool(_CHECKPOINT.value):
+    raise config_lib.ConfigError("give exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
+  if _WORKDIR.value:
+    if _ADAPTER.value:
+      raise config_lib.ConfigError("--adapter goes with --checkpoint; a workdir carries its own adapters")
+    if not os.path.isdir(_WORKDIR.value):
+      raise config_lib.ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
+    from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME
+    from hackable_diffusion.training import trainer
+
+    run = trainer.load_run(_WORKDIR.value, step=_STEP.value)
+    cfg = run.config
+    canvas = run.model.config.canvas_length
+    defaults = dict(max_new_tokens=cfg.eval.max_new_tokens or cfg.data.max_canvases * canvas,
+                    max_denoising_steps=cfg.eval.early_stopping_steps, entropy_bound=cfg.eval.entropy_bound,
+                    t_min=cfg.eval.t_min, t_max=cfg.eval.t_max, stability_threshold=cfg.eval.stability_threshold,
+                    confidence_threshold=cfg.eval.confidence_threshold)
+    tokenizer = os.path.join(_WORKDIR.value, TOKENIZER_FILENAME)
+    return dict(model=run.model, base=cfg.model.checkpoint or None, tokenizer=tokenizer if os.path.isfile(tokenizer)
+                else None, vision=cfg.model.checkpoint or None, defaults=defaults,
+                what=f"{_WORKDIR.value} step {run.step}", preset=cfg.model.preset)
+  if _STEP.value is not None:
+    raise config_lib.ConfigError("--step goes with --workdir")
+  from hackable_diffusion.interop import export as export_lib
+  from hackable_diffusion.interop.hf import load_pretrained
+
+  model = load_pretrained(_CHECKPOINT.value, adapter=_ADAPTER.value)
+  has_tok = any(os.path.isfile(os.path.join(_CHECKPOINT.value, n)) for n in export_lib.TOKENIZER_FILES)
+  what = _CHECKPOINT.value + (f" + {_ADAPTER.value}" if _ADAPTER.value else "")
+  return dict(model=model, base=_CHECKPOINT.value, tokenizer=_CHECKPOINT.value if has_tok else None,
+              vision=_CHECKPOINT.value, defaults=None, what=what, preset="")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+  if not _OUT.value:
+    raise config_lib.ConfigError("--out is required (the directory to write)")
+  if not _FORMAT.value:
+    raise config_lib.ConfigError("--format is required: 'peft' (adapter files) or 'merged' (a full checkpoint)")
+  from hackable_diffusion.interop import export as export_lib
+  from hackable_diffusion.lora import has_lora
+
+  src = _source()
+  tokenizer = _TOKENIZER.value or src["tokenizer"]
+  if _FORMAT.value == "peft":
+    if not has_lora(src["model"]):
+      raise config_lib.ConfigError(f"{src['what']} has no LoRA adapters; use --format=merged")
+    base = _BASE.value or src["base"]
+    if not base:
+      raise config_lib.ConfigError(
+          f"{src['what']} was trained from preset {src['preset']!r}, not a HF checkpoint, so there is no base "
+          "model for a PEFT adapter; pass --base_model=... (a HF directory with that base) or use --format=merged")
+    written = export_lib.export_peft(src["model"], _OUT.value, base, tokenizer_path=tokenizer)
+    print(f"wrote a PEFT adapter of {src['what']} (base {base}) to {_OUT.value}")
+  else:
+    written = export_lib.export_merged(src["model"], _OUT.value, dtype=_DTYPE.value,
+                                       generation_defaults=src["defaults"], tokenizer_path=tokenizer,
+                                       vision_source=src["vision"])
+    merged = " (adapters merged)" if has_lora(src["model"]) else ""
+    print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged} to {_OUT.value}")
+  for key, value in written.items():
+    print(f"  {key}: {value}")
+
+
+def run() -> None:
+  config_lib.run_cli(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,19 @@
+"""LoRA: wrap a DiffusionGemma with adapters without editing model code; merge them back or split them off.
+
+    model = lora.apply_lora(model, lora.LoraConfig(rank=8, alpha=16), rngs=nnx.Rngs(0))
+    graphdef, state = init_train_state(model, tx, trainable=nnx.LoRAParam)   # train only the adapters
+    plain = lora.merge(model)                                                # fold into the base weights
+
+Adapter dropout (`LoraConfig.dropout`) needs an explicit key per step: `rest = lora.set_dropout_key(rest, key)`.
+
+PEFT files (adapter_model.safetensors + adapter_config.json) are in `hackable_diffusion.interop.peft`.
+"""
+
+from hackable_diffusion.lora.adapters import (ALL_LINEAR, DEFAULT_TARGETS, LoRADropoutKey, LoRAExperts, LoRALinear,
+                                              LoraConfig, apply_lora, from_config, has_lora, lora_modules,
+                                              resolve_targets, set_dropout_key, targetable)
+from hackable_diffusion.lora.merge import adapter_num_params, merge, split
+
+__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoRADropoutKey", "LoRAExperts", "LoRALinear", "LoraConfig",
+           "adapter_num_params", "apply_lora", "from_config", "has_lora", "lora_modules", "merge", "resolve_targets",
+           "set_dropout_key", "split", "targetable"]

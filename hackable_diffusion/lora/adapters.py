@@ -1,0 +1,385 @@
+"""LoRA adapters added from the outside: `LoraConfig` + `apply_lora(model, config, rngs=...)`.
+
+Targeted `nnx.Linear` submodules are replaced by `LoRALinear`, a subclass that keeps the original `kernel` Param
+(same object, same path `...q_proj.kernel`) and adds `lora_a [in, r]` and `lora_b [r, out]` as `nnx.LoRAParam`:
+
+    y = x @ kernel + (dropout(x) @ lora_a @ lora_b) * alpha / r
+
+Expert tensors (3-D Params `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) get per-expert factors with the
+semantics of PEFT's `target_parameters` (`peft.tuners.lora.layer.ParamWrapper`, peft 0.21): for a Param `W` of
+shape `[E, out, in]` (the row-major `F.linear` layout transformers uses), `W[e] + scale * (A[e] @ B[e]).T` with
+`A: [E, in, r]`, `B: [E, r, out]` (see `hackable_diffusion.interop.peft` for the exact PEFT tensor layout).
+
+Base parameter paths are unchanged, so a checkpoint of the base loads into the wrapped model, and "train only
+the adapters" is the optimizer filter `nnx.LoRAParam`. Initialisation follows PEFT: `B = 0` (the wrapped model
+computes exactly the base logits), `A ~ U(-1/sqrt(in), 1/sqrt(in))` (PEFT's `kaiming_uniform_(a=sqrt(5))`).
+Scale = `alpha / rank` (PEFT's default, not rsLoRA). One adapter serves encoder and decoder mode: the weights are
+shared, so is the adapter.
+
+Dropout (on the adapter input, as PEFT) needs an explicit key and is off otherwise: the train step passes one with
+`rest = set_dropout_key(rest, key)` on the non-trainable state *before* differentiating (a pure tree update; NNX
+forbids mutating variables inside `jax.grad`). Evaluation and sampling never set a key, so they see no dropout.
+Each adapter folds its own index into the key. Expert adapters have no dropout (PEFT cannot express it either).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hackable_diffusion.model import layers
+from hackable_diffusion.model.config import ConfigError
+
+Array = jax.Array
+ALL_LINEAR = "all-linear"
+# attention q/k/v/o and the dense MLP of every layer; not the router, the experts or the self-conditioning MLP
+DEFAULT_TARGETS = (r"^layers\.\d+\.self_attn\.(q|k|v|o)_proj$", r"^layers\.\d+\.mlp\.(gate|up|down)_proj$")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # also the nesting order of PEFT's ParamWrappers
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """Which modules get adapters and how large they are.
+
+  rank: r >= 1. alpha: scale numerator (scale = alpha / rank). dropout: on the adapter input, in [0, 1).
+  target_modules: regexes searched (`re.search`) in dotted module paths such as `layers.3.self_attn.q_proj`,
+    `layers.3.mlp.down_proj`, `layers.3.router.proj`, `layers.3.experts.gate_up_proj` (3-D expert Params) or
+    `self_conditioning.mlp.gate_proj`; or the keyword `"all-linear"` (every linear layer except the router,
+    including the self-conditioning MLP; experts excluded). Every regex must match something.
+  param_dtype: dtype of the adapter parameters (float32 keeps small updates of a bf16 model exact).
+  """
+
+  rank: int = 8
+  alpha: float = 16.0
+  dropout: float = 0.0
+  target_modules: tuple[str, ...] = DEFAULT_TARGETS
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    if isinstance(self.target_modules, str):
+      object.__setattr__(self, "target_modules", (self.target_modules,))
+    else:
+      object.__setattr__(self, "target_modules", tuple(self.target_modules))
+    if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+      raise ConfigError(f"LoraConfig.rank={self.rank!r} is invalid: must be an integer >= 1 (rank 0 adds no adapter)")
+    if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not (
+        math.isfinite(self.alpha) and self.alpha > 0):
+      raise ConfigError(f"LoraConfig.alpha={self.alpha!r} is invalid: must be a finite number > 0")
+    if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+      raise ConfigError(f"LoraConfig.dropout={self.dropout!r} is invalid: must be in [0, 1)")
+    if not self.target_modules:
+      raise ConfigError("LoraConfig.target_modules is empty: give regexes over module paths or 'all-linear'")
+    for pattern in self.target_modules:
+      if not isinstance(pattern, str) or not pattern:
+        raise ConfigError(f"LoraConfig.target_modules entry {pattern!r} is invalid: expected a non-empty regex")
+      if pattern != ALL_LINEAR:
+        try:
+          re.compile(pattern)
+        except re.error as e:
+          raise ConfigError(f"LoraConfig.target_modules entry {pattern!r} is not a valid regex ({e})") from None
+    if self.param_dtype not in _DTYPES:
+      raise ConfigError(f"LoraConfig.param_dtype={self.param_dtype!r} is invalid: expected one of {_DTYPES}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+# ---- adapter modules --------------------------------------------------------------------------------------------
+def _axes(var: nnx.Variable) -> tuple[Any, ...] | None:
+  return var.get_metadata().get("out_sharding")
+
+
+def _lora_param(value: Array, axes: tuple[Any, ...] | None) -> nnx.LoRAParam:
+  with nnx.use_eager_sharding(False):
+    return nnx.LoRAParam(value, out_sharding=axes) if axes is not None else nnx.LoRAParam(value)
+
+
+class LoRADropoutKey(nnx.Variable):
+  """The dropout key of a step, shared by every adapter: uint32 `[*key_data, on]` (`on` = 0: no dropout)."""
+
+
+def _dropout_off() -> Array:
+  return jnp.zeros((jax.random.key_data(jax.random.key(0)).size + 1,), jnp.uint32)
+
+
+def set_dropout_key(target: Any, key: Array | None) -> Any:
+  """Turns adapter dropout on with `key` (a `jax.random.key`), or off with None.
+
+  `target`: an `nnx.State` (returns an updated copy: use this inside a jitted step, before `jax.grad`) or a
+  module (updated in place, outside transformations). A target without dropout adapters is returned unchanged.
+  """
+  value = _dropout_off() if key is None else jnp.concatenate(
+      [jax.random.key_data(key).reshape(-1).astype(jnp.uint32), jnp.ones((1,), jnp.uint32)])
+  if isinstance(target, nnx.Module):
+    for _, var in nnx.iter_graph(target):
+      if isinstance(var, LoRADropoutKey):
+        var.value = value
+    return target
+  return jax.tree.map(lambda v: v.replace(value) if isinstance(v, LoRADropoutKey) else v, target,
+                      is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+class LoRALinear(nnx.Linear):
+  """`nnx.Linear` + a low-rank update; the base `kernel` (and `bias`) Variables are the wrapped layer's own.
+
+  Built from an existing layer (`LoRALinear(base, lora_a=..., lora_b=..., scale=...)`); its initialiser is not run.
+  `x [..., in] -> x @ kernel + (dropout(x) @ lora_a @ lora_b) * scale [..., out]`.
+  """
+
+  def __init__(self, base: nnx.Linear, *, lora_a: Array, lora_b: Array, scale: float, dropout: float = 0.0,
+               dropout_key: LoRADropoutKey | None = None, dropout_index: int = 0):
+    # The attributes nnx.Linear.__call__ reads, taken from `base` (its initialiser is deliberately not re-run).
+    for name in ("in_features", "out_features", "use_bias", "dtype", "param_dtype", "precision", "dot_general",
+                 "promote_dtype", "preferred_element_type"):
+      setattr(self, name, getattr(base, name))
+    self.kernel = base.kernel
+    self.bias = base.bias if base.use_bias else nnx.data(None)
+    if lora_a.shape[0] != self.in_features or lora_b.shape[1] != self.out_features:
+      raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{self.in_features}, "
+                       f"{self.out_features}] kernel")
+    self.rank, self.scale, self.dropout_rate = lora_a.shape[1], float(scale), float(dropout)
+    if dropout > 0 and dropout_key is None:
+      raise ValueError("LoRALinear with dropout needs the shared LoRADropoutKey variable")
+    self.dropout_key = dropout_key if dropout > 0 else None
+    self.dropout_index = int(dropout_index)
+    axes = _axes(base.kernel) or (None, None)
+    self.lora_a = _lora_param(lora_a, (axes[0], None))
+    self.lora_b = _lora_param(lora_b, (None, axes[1]))
+
+  def delta(self) -> Array:
+    """The kernel update `scale * lora_a @ lora_b` [in, out] in float32."""
+    return self.scale * (self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32))
+
+  def __call__(self, inputs: Array, out_sharding=None) -> Array:
+    y = super().__call__(inputs, out_sharding=out_sharding)
+    x = inputs
+    if self.dropout_rate > 0:
+      data = self.dropout_key[...]
+      key = jax.random.fold_in(jax.random.wrap_key_data(data[:-1]), self.dropout_index)
+      keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, x.shape)
+      dropped = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout_rate, x.dtype), jnp.zeros_like(x))
+      x = jnp.where(data[-1] > 0, dropped, x)
+    dtype = self.dtype or y.dtype
+    h = x.astype(dtype) @ self.lora_a[...].astype(dtype)
+    return y + ((h @ self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)).astype(y.dtype)
+
+
+class _ExpertMath:
+  """`layers.Experts`' computation applied to given (adapted) weight arrays."""
+
+  __call__ = layers.Experts.__call__
+  _dense = layers.Experts._dense
+  _ragged = layers.Experts._ragged
+
+  def __init__(self, gate_up_proj: Array, down_proj: Array, dtype, impl: str, intermediate: int):
+    self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+    self.dtype, self.impl, self.intermediate = dtype, impl, intermediate
+
+
+class LoRAExperts(layers.Experts):
+  """`layers.Experts` whose 3-D weights get per-expert low-rank updates (PEFT `target_parameters` semantics).
+
+  For each targeted Param `P [E, out, in]` (HF layout): `<P>_lora_a [E, in, r]`, `<P>_lora_b [E, r, out]` and
+  the effective weight `P[e] + scale * (a[e] @ b[e]).T`. The base Params keep their paths.
+  """
+
+  def __init__(self, base: layers.Experts, *, factors: Mapping[str, tuple[Array, Array]], scale: float):
+    self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+    self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
+    self.targets = tuple(p for p in EXPERT_PARAMS if p in factors)
+    self.scale = float(scale)
+    for name in self.targets:
+      var = getattr(base, name)
+      a, b = factors[name]
+      e, d_out, d_in = var.shape
+      if a.shape[:2] != (e, d_in) or b.shape[0] != e or b.shape[2] != d_out:
+        raise ValueError(f"{name}: lora_a {a.shape} / lora_b {b.shape} do not fit a {var.shape} expert tensor")
+      self.rank = a.shape[2]
+      axes = _axes(var) or (None, None, None)
+      setattr(self, f"{name}_lora_a", _lora_param(a, (axes[0], axes[2], None)))
+      setattr(self, f"{name}_lora_b", _lora_param(b, (axes[0], None, axes[1])))
+
+  def delta(self, name: str) -> Array:
+    """The update of Param `name` [E, out, in] in float32."""
+    a = getattr(self, f"{name}_lora_a")[...].astype(jnp.float32)
+    b = getattr(self, f"{name}_lora_b")[...].astype(jnp.float32)
+    return self.scale * jnp.einsum("eir,ero->eoi", a, b)
+
+  def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
+    eff = {}
+    for name in EXPERT_PARAMS:
+      w = getattr(self, name)[...].astype(self.dtype)
+      if name in self.targets:
+        a = getattr(self, f"{name}_lora_a")[...].astype(self.dtype)
+        b = getattr(self, f"{name}_lora_b")[...].astype(self.dtype)
+        w = w + jnp.einsum("eir,ero->eoi", a, b) * jnp.asarray(self.scale, self.dtype)
+      eff[name] = w
+    return _ExpertMath(eff["gate_up_proj"], eff["down_proj"], self.dtype, self.impl, self.intermediate)(x, weights, idx)
+
+
+# ---- finding targets --------------------------------------------------------------------------------------------
+def path_str(path: tuple[Any, ...]) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def targetable(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], str | None]]:
+  """Every adaptable path -> (module path, expert Param name or None), in model order.
+
+  Linear layers: `layers.0.self_attn.q_proj` -> (('layers', 0, 'self_attn', 'q_proj'), None);
+  expert Params: `layers.0.experts.gate_up_proj` -> (('layers', 0, 'experts'), 'gate_up_proj').
+  """
+  out: dict[str, tuple[tuple[Any, ...], str | None]] = {}
+  for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
+    if isinstance(node, nnx.Linear):
+      out[path_str(path)] = (tuple(path), None)
+    elif isinstance(node, layers.Experts):
+      for name in EXPERT_PARAMS:
+        out[path_str((*path, name))] = (tuple(path), name)
+  return out
+
+
+def _sort_key(path: tuple[Any, ...]) -> tuple[Any, ...]:
+  return tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path)
+
+
+def _is_all_linear(name: str, param: str | None) -> bool:
+  return param is None and ".router." not in f".{name}."
+
+
+def resolve_targets(model: nnx.Module, config: LoraConfig) -> list[str]:
+  """The adaptable paths `config.target_modules` selects (ValueError for a regex that matches nothing)."""
+  candidates = targetable(model)
+  chosen: set[str] = set()
+  for pattern in config.target_modules:
+    if pattern == ALL_LINEAR:
+      hits = {n for n, (_, p) in candidates.items() if _is_all_linear(n, p)}
+    else:
+      rx = re.compile(pattern)
+      hits = {n for n in candidates if rx.search(n)}
+    if not hits:
+      examples = _examples(candidates)
+      raise ConfigError(f"LoraConfig.target_modules regex {pattern!r} matches no module; valid paths look like "
+                        f"{', '.join(examples)} ({len(candidates)} in all)")
+    chosen |= hits
+  return [n for n in candidates if n in chosen]
+
+
+def _examples(candidates: Mapping[str, Any]) -> list[str]:
+  layer0 = [n for n in candidates if n.startswith("layers.0.")]
+  rest = [n for n in candidates if not n.startswith("layers.")]
+  return layer0 + rest[:3]
+
+
+def _get(node: Any, path: tuple[Any, ...]) -> Any:
+  for p in path:
+    node = node[p] if isinstance(p, int) else getattr(node, p)
+  return node
+
+
+def _set(root: Any, path: tuple[Any, ...], value: Any) -> None:
+  parent = _get(root, path[:-1])
+  if isinstance(path[-1], int):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
+
+
+def lora_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], LoRALinear | LoRAExperts]]:
+  """(path, module) of every adapter-carrying module, in model order."""
+  for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
+    if isinstance(node, (LoRALinear, LoRAExperts)):
+      yield tuple(path), node
+
+
+def has_lora(model: nnx.Module) -> bool:
+  return next(lora_modules(model), None) is not None
+
+
+# ---- wrapping ---------------------------------------------------------------------------------------------------
+def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+  """A copy of `model` (sharing its arrays) with adapters on the modules `config` targets.
+
+  The copy's base Variables keep their paths; the new `nnx.LoRAParam`s are `<module>.lora_a` / `.lora_b`
+  (`<experts>.<param>_lora_a` / `_lora_b` for expert tensors). `B = 0`, so logits are unchanged until trained.
+  """
+  if has_lora(model):
+    raise ValueError("model already has LoRA adapters; merge() or split() it first")
+  targets = resolve_targets(model, config)
+  model = nnx.clone(model)
+  table = targetable(model)
+  # factor shapes: Linear [in, r] / [r, out]; expert Param [E, out, in] -> [E, in, r] / [E, r, out]
+  specs = []
+  for name in targets:
+    path, param = table[name]
+    if param is None:
+      d_in, d_out = _get(model, path).kernel.shape
+      specs.append(((d_in, config.rank), (config.rank, d_out), d_in))
+    else:
+      e, d_out, d_in = getattr(_get(model, path), param).shape
+      specs.append(((e, d_in, config.rank), (e, config.rank, d_out), d_in))
+  values = _init_factors(rngs.params(), tuple(specs), config.param_dtype)
+  dropout_key = LoRADropoutKey(_dropout_off()) if config.dropout > 0 else None  # one variable, shared
+  experts: dict[tuple[Any, ...], dict[str, tuple[Array, Array]]] = {}
+  for name, (a, b) in zip(targets, values):
+    path, param = table[name]
+    if param is None:
+      _set(model, path, LoRALinear(_get(model, path), lora_a=a, lora_b=b, scale=config.scale, dropout=config.dropout,
+                                   dropout_key=dropout_key, dropout_index=targets.index(name)))
+    else:
+      experts.setdefault(path, {})[param] = (a, b)
+  for path, factors in experts.items():
+    _set(model, path, LoRAExperts(_get(model, path), factors=factors, scale=config.scale))
+  return model
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_factors(key: Array, specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
+                  dtype: str) -> list[tuple[Array, Array]]:
+  """All initial factors in one compiled call (eagerly, every new shape would compile its own RNG kernel).
+
+  A ~ U(-1/sqrt(in), 1/sqrt(in)): PEFT's `kaiming_uniform_(lora_A.weight, a=sqrt(5))` on `[r, in]`; B = 0.
+  """
+  sizes = [math.prod(a_shape) for a_shape, _, _ in specs]
+  unit = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)  # one RNG call for every factor
+  out, start = [], 0
+  for size, (a_shape, b_shape, fan_in) in zip(sizes, specs):
+    a = (unit[start:start + size].reshape(a_shape) / math.sqrt(fan_in)).astype(dtype)  # U(-1/sqrt(in), 1/sqrt(in))
+    out.append((a, jnp.zeros(b_shape, jnp.dtype(dtype))))
+    start += size
+  return out
+
+
+_SECTION_KEYS = ("enabled", "rank", "alpha", "dropout", "target_modules", "param_dtype", "seed")
+
+
+def from_config(model: nnx.Module, section: Mapping[str, Any]) -> tuple[nnx.Module, Any]:
+  """The `lora` section of an experiment config -> (wrapped model, trainable filter `nnx.LoRAParam`).
+
+  Keys: `enabled` (ignored here), `rank`, `alpha`, `dropout`, `target_modules` (a regex, a list of regexes or
+  'all-linear'), `param_dtype`, `seed` (adapter initialisation; default 0).
+  """
+  section = dict(section)
+  unknown = sorted(set(section) - set(_SECTION_KEYS))
+  if unknown:
+    raise ConfigError(f"lora section has unknown key(s) {unknown}; valid keys: {sorted(_SECTION_KEYS)}")
+  section.pop("enabled", None)
+  seed = section.pop("seed", 0)
+  if "target_modules" in section and not isinstance(section["target_modules"], str):
+    section["target_modules"] = tuple(section["target_modules"])
+  config = LoraConfig(**section)
+  return apply_lora(model, config, rngs=nnx.Rngs(seed)), nnx.LoRAParam
+
+
+__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
+           "LoraConfig", "apply_lora", "from_config", "has_lora", "lora_modules", "path_str", "resolve_targets",
+           "set_dropout_key", "targetable"]
