@@ -7,7 +7,7 @@ import os
 # Tests run tiny models, where XLA's CPU compile time dominates: the lowest backend optimisation level compiles
 # ~3x faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
 if "jax" not in __import__("sys").modules:
-  os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 from typing import Any
 
 import numpy as np
