@@ -1,0 +1,49 @@
+"""Evaluate a trained run: accuracy against the denoising-step budget and with early stopping.
+
+  python -m hackable_diffusion.evaluate --workdir=runs/tiny [--step=N] [--config=configs/tiny.py]
+      [--config.eval.num_examples=512 --config.eval.step_budgets="(8,16,32)" ...]
+
+Without --config the run's own workdir/config.json is used (overrides still apply). Writes
+workdir/eval/report_step_{N}.json and workdir/eval/accuracy_vs_steps_step_{N}.png and prints a summary.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+
+from hackable_diffusion.training import config as config_lib
+
+# --config is defined by the flags parser: from --config=FILE, or from <workdir>/config.json when absent.
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+_OUT = flags.DEFINE_string("out", None, "Directory for the report and plot (default: <workdir>/eval).")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+  if not _WORKDIR.value:
+    raise config_lib.ConfigError("--workdir is required (a directory written by hackable_diffusion.train)")
+  if not os.path.isdir(_WORKDIR.value):
+    raise config_lib.ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
+  from hackable_diffusion.evaluation import loop
+  from hackable_diffusion.training import trainer
+
+  run = trainer.load_run(_WORKDIR.value, flags.FLAGS.config, _STEP.value)
+  data = trainer.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
+  out_dir = _OUT.value or os.path.join(_WORKDIR.value, trainer.EVAL_DIR)
+  report = trainer.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step, out_dir=out_dir)
+  print(f"step {run.step}, task {report['task']}, {report['num_examples']} examples:")
+  for line in loop.summary_lines(report):
+    print(line)
+  print(f"report: {os.path.join(out_dir, loop.REPORT_PATTERN.format(step=run.step))}")
+
+
+def run() -> None:
+  config_lib.run_cli(main, flags_parser=config_lib.make_flags_parser(workdir_default=True))
+
+
+if __name__ == "__main__":
+  run()

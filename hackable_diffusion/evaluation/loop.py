@@ -1,0 +1,254 @@
+"""Generation-based evaluation: accuracy against the denoising-step budget, a JSON report and a plot.
+
+For each step budget `N` of the config (`eval.step_budgets`) the sampler runs with early stopping off and
+`max_denoising_steps=N`; one more run uses early stopping with `eval.early_stopping_steps` as the cap (the
+setting of transformers' `generate`). Every run decodes the completions, scores them with the `Task`, and
+records the mean denoising steps per canvas and tokens per forward (REFERENCE §4: "accuracy at 32 / 64 / 96
+denoising steps and with early stopping; mean denoising steps per canvas").
+
+Outputs: `<out_dir>/report_step_{N}.json` and `<out_dir>/accuracy_vs_steps_step_{N}.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from hackable_diffusion.data.sft import DataError, SFTDataConfig, SFTRecords, load_records
+from hackable_diffusion.data.tokenizer import Tokenizer
+from hackable_diffusion.evaluation.tasks import EvalRecord, Task
+from hackable_diffusion.sampling.config import SamplingConfig
+from hackable_diffusion.sampling.generate import generate
+
+REPORT_PATTERN = "report_step_{step}.json"
+PLOT_PATTERN = "accuracy_vs_steps_step_{step}.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalData:
+  """Tokenized evaluation examples (`records`, left-padded prompts) and their texts/fields (`examples`)."""
+
+  records: SFTRecords
+  examples: list[EvalRecord]
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+
+def load_eval_data(path: str, data_config: SFTDataConfig, tokenizer: Tokenizer, num_examples: int) -> EvalData:
+  """The first `num_examples` records of a JSONL file, tokenized like the training data.
+
+  Fields other than the prompt/completion (e.g. Sudoku's `givens`) are kept in `EvalRecord.fields`.
+  """
+  records = load_records(path, data_config, tokenizer)
+  n = min(num_examples, len(records))
+  records = records.select(np.arange(n))
+  lines: dict[str, list[bytes]] = {}
+  examples = []
+  for i in range(n):
+    file, lineno = records.sources[i]
+    if file not in lines:
+      with open(file, "rb") as f:
+        lines[file] = f.read().split(b"\n")
+    try:
+      obj = json.loads(lines[file][lineno - 1].decode("utf-8").lstrip("\ufeff"))
+    except (IndexError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise DataError(f"{file}:{lineno}: changed while reading ({type(e).__name__})") from None
+    extra = {k: v for k, v in obj.items() if k not in (data_config.prompt_field, data_config.completion_field)}
+    examples.append(EvalRecord(prompt=records.prompts[i], completion=records.completions[i], fields=extra))
+  return EvalData(records=records, examples=examples)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalRun:
+  """One sampler setting of an evaluation."""
+
+  name: str
+  sampling: SamplingConfig
+
+
+def eval_runs(eval_cfg: Any, max_new_tokens: int) -> list[EvalRun]:
+  """The runs of `eval_cfg` (an `EvalSection`): one per step budget without early stopping, one with it."""
+  base = SamplingConfig(
+      max_new_tokens=max_new_tokens, entropy_bound=float(eval_cfg.entropy_bound), t_min=float(eval_cfg.t_min),
+      t_max=float(eval_cfg.t_max), stability_threshold=int(eval_cfg.stability_threshold),
+      confidence_threshold=float(eval_cfg.confidence_threshold))
+  runs = [EvalRun(name=f"steps_{n}", sampling=base.replace(max_denoising_steps=int(n), early_stopping=False))
+          for n in sorted(set(eval_cfg.step_budgets))]
+  runs.append(EvalRun(name="early_stopping",
+                      sampling=base.replace(max_denoising_steps=int(eval_cfg.early_stopping_steps),
+                                            early_stopping=True)))
+  return runs
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  if x.shape[0] == rows:
+    return x
+  reps = np.repeat(x[:1], rows - x.shape[0], axis=0)
+  return np.concatenate([x, reps], axis=0)
+
+
+def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int, vocab_size: int,
+                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+  """(seed canvas, pinned) from the data's pinned completion tokens (`data.pinned_field`): pinned positions hold
+  their token, all others uniform noise (the reference completion must not leak into the start canvas)."""
+  ids = records.completion_ids[sl, :num_tokens]
+  pins = records.completion_pinned[sl, :num_tokens] & records.completion_mask[sl, :num_tokens]
+  pad = num_tokens - ids.shape[1]
+  if pad > 0:
+    ids = np.pad(ids, ((0, 0), (0, pad)))
+    pins = np.pad(pins, ((0, 0), (0, pad)))
+  noise = rng.integers(0, vocab_size, size=ids.shape)
+  return np.where(pins, ids, noise).astype(np.int32), pins
+
+
+def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
+                   batch_size: int, rng: jax.Array) -> tuple[list[str], dict[str, float]]:
+  """Generates a completion for every example; returns the decoded texts and sampler statistics.
+
+  Batches are padded to `batch_size` (repeating the first row) so one compiled program serves all of them.
+  Start canvases: the task's `seed_canvas` hook, else the data's pinned completion tokens (`pinned_field`), else
+  uniform noise.
+  """
+  n = len(data)
+  prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
+  width = prompt_ids.shape[1]
+  allowed = task.allowed_token_ids(tokenizer)
+  bs = min(batch_size, n)
+  canvas = sampling.canvas_length or model.config.canvas_length
+  num_tokens = -(-sampling.max_new_tokens // canvas) * canvas  # whole canvases
+  texts: list[str] = []
+  steps_per_canvas, tpf = [], []
+  for b, start in enumerate(range(0, n, bs)):
+    sl = slice(start, min(start + bs, n))
+    rows = sl.stop - sl.start
+    kwargs: dict[str, Any] = {}
+    seeded = task.seed_canvas(data.examples[sl], tokenizer, num_tokens)
+    if seeded is None and data.records.completion_pinned is not None:
+      seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size,
+                                    np.random.default_rng([b, 7]))
+    if seeded is not None:
+      seed_ids, pinned = seeded
+      kwargs.update(seed_canvas=_pad_rows(np.asarray(seed_ids), bs), pinned=_pad_rows(np.asarray(pinned), bs))
+    out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=jax.random.fold_in(rng, b),
+                   attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, **kwargs)
+    seqs = np.asarray(out.sequences)[:rows, width:]
+    texts += [tokenizer.decode(s) for s in seqs]
+    steps = np.asarray(out.denoising_steps)[:rows]
+    used = np.maximum((steps > 0).sum(-1), 1)
+    steps_per_canvas += list(steps.sum(-1) / used)
+    tpf += list(np.asarray(out.tokens_per_forward)[:rows])
+  stats = {"mean_denoising_steps": float(np.mean(steps_per_canvas)), "tokens_per_forward": float(np.mean(tpf))}
+  return texts, stats
+
+
+def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task, runs: Sequence[EvalRun], *,
+                   batch_size: int, seed: int = 0, step: int | None = None, out_dir: str | None = None,
+                   num_samples: int = 8, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+  """Runs every sampler setting, scores it with `task`, and (with `out_dir`) writes the report and plot.
+
+  Returns the report: `{'step', 'task', 'primary_metric', 'num_examples', 'runs': [{'name',
+  'max_denoising_steps', 'early_stopping', 'metrics', 'mean_denoising_steps', 'tokens_per_forward',
+  'seconds'}...], 'samples': [...]}` (samples: prompt / target / prediction of the early-stopping run).
+  """
+  if len(data) == 0:
+    raise DataError("evaluation data holds no example")
+  rng = jax.random.key(seed)
+  report: dict[str, Any] = {"step": step, "task": getattr(task, "name", type(task).__name__),
+                            "primary_metric": task.primary_metric, "num_examples": len(data), "runs": []}
+  samples: list[str] = []
+  for run in runs:
+    t0 = time.perf_counter()
+    texts, stats = generate_texts(model, tokenizer, data, run.sampling, task, batch_size=batch_size, rng=rng)
+    metrics = {k: float(v) for k, v in task.metrics(texts, data.examples).items()}
+    seconds = time.perf_counter() - t0
+    report["runs"].append({"name": run.name, "max_denoising_steps": run.sampling.max_denoising_steps,
+                           "early_stopping": run.sampling.early_stopping, "metrics": metrics, **stats,
+                           "seconds": round(seconds, 3)})
+    samples = texts
+    if log is not None:
+      shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+      log(f"eval {run.name}: {shown}, steps/canvas={stats['mean_denoising_steps']:.1f} ({seconds:.1f}s)")
+  report["samples"] = [{"prompt": e.prompt, "target": e.completion, "prediction": p}
+                       for e, p in zip(data.examples[:num_samples], samples[:num_samples])]
+  if out_dir is not None:
+    write_report(report, out_dir)
+  return report
+
+
+def _json_clean(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _json_clean(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_json_clean(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return None  # strict JSON has no NaN/inf
+  return x
+
+
+def write_report(report: dict[str, Any], out_dir: str) -> str:
+  """Writes `report_step_{N}.json` and `accuracy_vs_steps_step_{N}.png` into `out_dir`; returns the JSON path."""
+  os.makedirs(out_dir, exist_ok=True)
+  step = report.get("step") or 0
+  path = os.path.join(out_dir, REPORT_PATTERN.format(step=step))
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(_json_clean(report), f, indent=2)
+    f.write("\n")
+  os.replace(tmp, path)
+  plot_report(report, os.path.join(out_dir, PLOT_PATTERN.format(step=step)))
+  return path
+
+
+def plot_report(report: dict[str, Any], path: str) -> str:
+  """Primary metric (and every other metric in [0, 1]) against the step budget; early stopping as a star at
+  its mean denoising steps per canvas. Uses the Agg canvas directly (no global backend change)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  fixed = [r for r in report["runs"] if not r["early_stopping"]]
+  early = [r for r in report["runs"] if r["early_stopping"]]
+  primary = report["primary_metric"]
+  names = [primary] + sorted({k for r in report["runs"] for k, v in r["metrics"].items()
+                              if k != primary and v is not None and 0.0 <= v <= 1.0 and "/" not in k})
+  fig = Figure(figsize=(6, 4), dpi=100)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  for i, name in enumerate(names):
+    color = f"C{i}"
+    xs = [r["max_denoising_steps"] for r in fixed if name in r["metrics"]]
+    ys = [r["metrics"][name] for r in fixed if name in r["metrics"]]
+    ax.plot(xs, ys, marker="o", color=color, label=name, linewidth=2 if name == primary else 1)
+    for r in early:
+      if name in r["metrics"]:
+        ax.plot([r["mean_denoising_steps"]], [r["metrics"][name]], marker="*", markersize=14, color=color,
+                linestyle="none", label=f"{name} (early stopping)" if name == primary else None)
+  ax.set_xlabel("denoising steps per canvas")
+  ax.set_ylabel("metric")
+  ax.set_title(f"{report.get('task')} @ step {report.get('step')} ({report.get('num_examples')} examples)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  return path
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+  """A small text table of a report (one line per run)."""
+  lines = []
+  for r in report["runs"]:
+    shown = "  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
+    lines.append(f"{r['name']:>16}  steps/canvas={r['mean_denoising_steps']:6.1f}  {shown}")
+  return lines
+
+
+__all__ = ["EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "eval_runs", "generate_texts",
+           "load_eval_data", "plot_report", "run_evaluation", "summary_lines", "write_report"]

@@ -1,0 +1,166 @@
+"""Sample completions from a trained run (or a HF checkpoint) with the entropy-bounded diffusion sampler.
+
+  python -m hackable_diffusion.sample --workdir=runs/tiny --prompt="5895382"
+  python -m hackable_diffusion.sample --workdir=runs/tiny                 (interactive: one prompt per line)
+  python -m hackable_diffusion.sample --checkpoint=HF_DIR [--tokenizer=PATH] --prompt="..."
+  python -m hackable_diffusion.sample --workdir=runs/tiny --prompt="..." --live   (watch the canvas converge)
+
+With --workdir the prompt gets the run's chat template (and bos) exactly as in training, and the sampler
+defaults come from the run's eval section. The completion goes to stdout, statistics to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from absl import flags
+
+from hackable_diffusion.training import config as config_lib
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A HF DiffusionGemma directory (instead of --workdir).")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model (default: the workdir's, or the one inside "
+                                 "--checkpoint).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of the workdir (default: the latest).")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt text (repeat for a batch); none: interactive.")
+_CHAT_TEMPLATE = flags.DEFINE_string("chat_template", None, "Format string with {prompt} (default: the run's).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate (default: the run's completion "
+                                "length, or 256).")
+_STEPS = flags.DEFINE_integer("steps", None, "max_denoising_steps per canvas (default: the run's "
+                              "eval.early_stopping_steps, or 48).")
+_ENTROPY = flags.DEFINE_float("entropy_bound", None, "Entropy bound of the acceptance rule (default 0.1).")
+_T_MIN = flags.DEFINE_float("t_min", None, "Temperature of the last step (default 0.4).")
+_T_MAX = flags.DEFINE_float("t_max", None, "Temperature of the first step (default 0.8).")
+_EARLY = flags.DEFINE_bool("early_stopping", True, "Stop a canvas once it is stable and confident.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_LIVE = flags.DEFINE_bool("live", False, "Print the argmax canvas after every denoising step.")
+
+
+def _settings(run_cfg: Any) -> dict[str, Any]:
+  ev = run_cfg.eval if run_cfg is not None else None
+  out = dict(
+      max_denoising_steps=_STEPS.value or (ev.early_stopping_steps if ev else 48),
+      entropy_bound=_ENTROPY.value if _ENTROPY.value is not None else (ev.entropy_bound if ev else 0.1),
+      t_min=_T_MIN.value if _T_MIN.value is not None else (ev.t_min if ev else 0.4),
+      t_max=_T_MAX.value if _T_MAX.value is not None else (ev.t_max if ev else 0.8),
+      early_stopping=_EARLY.value,
+  )
+  if ev is not None:
+    out.update(stability_threshold=ev.stability_threshold, confidence_threshold=ev.confidence_threshold)
+  return out
+
+
+def _load() -> tuple[Any, Any, Any]:
+  """(model, tokenizer, ExperimentConfig or None)."""
+  from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME
+  from hackable_diffusion.training import trainer
+
+  if bool(_WORKDIR.value) == bool(_CHECKPOINT.value):
+    raise config_lib.ConfigError("pass exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
+  if _WORKDIR.value:
+    run = trainer.load_run(_WORKDIR.value, None, _STEP.value)
+    tokenizer = run.tokenizer
+    if _TOKENIZER.value:
+      tokenizer = _load_tokenizer(_TOKENIZER.value)
+    print(f"loaded {_WORKDIR.value} at step {run.step}", file=sys.stderr)
+    return run.model, tokenizer, run.config
+  from hackable_diffusion.interop.hf import load_pretrained
+
+  model = load_pretrained(_CHECKPOINT.value)
+  path = _TOKENIZER.value or os.path.join(_CHECKPOINT.value, TOKENIZER_FILENAME)
+  return model, _load_tokenizer(path), None
+
+
+def _load_tokenizer(path: str):
+  from hackable_diffusion.data.tokenizer import Tokenizer
+
+  try:
+    return Tokenizer.load(path)
+  except (FileNotFoundError, ValueError) as e:
+    raise config_lib.ConfigError(f"tokenizer: {e} (pass --tokenizer=PATH)") from None
+
+
+def _encode(tokenizer: Any, text: str, run_cfg: Any) -> list[int]:
+  template = _CHAT_TEMPLATE.value if _CHAT_TEMPLATE.value is not None else (
+      run_cfg.data.chat_template if run_cfg is not None else "")
+  ids = tokenizer.encode(template.format(prompt=text) if template else text)
+  if run_cfg is not None and run_cfg.data.add_bos and tokenizer.bos_id >= 0:
+    ids = [tokenizer.bos_id] + ids
+  if not ids:
+    raise config_lib.ConfigError("the prompt is empty after tokenization")
+  unknown = sum(i == tokenizer.unk_id for i in ids)
+  if unknown:
+    print(f"warning: {unknown} prompt token(s) are unknown to the tokenizer", file=sys.stderr)
+  return ids
+
+
+def live_view(tokenizer: Any):
+  """A `generate` callback printing the first row's argmax canvas after every denoising step (to stderr).
+
+  Create it once: the callback is part of the sampler's compile-cache key."""
+  def show(info):
+    text = tokenizer.decode(info.argmax_canvas[0], stop_at_eos=False)
+    print(f"[canvas {info.canvas_index} step {info.step:3d}] {text}", file=sys.stderr, flush=True)
+  return show
+
+
+def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed: int,
+           callback: Any = None) -> list[str]:
+  import jax
+  import numpy as np
+
+  from hackable_diffusion.sampling.config import SamplingConfig
+  from hackable_diffusion.sampling.generate import generate
+
+  encoded = [_encode(tokenizer, p, run_cfg) for p in prompts]
+  width = max(len(e) for e in encoded)
+  ids = np.full((len(encoded), width), tokenizer.pad_id if tokenizer.pad_id >= 0 else 0, np.int32)
+  mask = np.zeros((len(encoded), width), bool)
+  for i, e in enumerate(encoded):  # left padding
+    ids[i, width - len(e):] = e
+    mask[i, width - len(e):] = True
+  max_new = _MAX_NEW.value or (run_cfg.eval.max_new_tokens or run_cfg.data.max_canvases * model.config.canvas_length
+                               if run_cfg is not None else 256)
+  try:
+    config = SamplingConfig(max_new_tokens=max_new, **_settings(run_cfg))
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
+  out = generate(model, ids, config, rng=jax.random.key(seed), attention_mask=mask, callback=callback)
+  seqs = np.asarray(out.sequences)[:, width:]
+  steps = np.asarray(out.denoising_steps)
+  for i in range(len(prompts)):
+    print(f"[{i}] denoising steps per canvas {steps[i].tolist()}, tokens per forward "
+          f"{float(out.tokens_per_forward[i]):.2f}", file=sys.stderr)
+  return [tokenizer.decode(s) for s in seqs]
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+  model, tokenizer, run_cfg = _load()
+  callback = live_view(tokenizer) if _LIVE.value else None
+  if _PROMPT.value:
+    for text in sample(model, tokenizer, list(_PROMPT.value), run_cfg, seed=_SEED.value, callback=callback):
+      print(text)
+    return
+  seed = _SEED.value
+  print("interactive: one prompt per line, an empty line or Ctrl-D ends", file=sys.stderr)
+  while True:
+    try:
+      line = input("prompt> ")
+    except EOFError:
+      break
+    if not line.strip():
+      break
+    print(sample(model, tokenizer, [line], run_cfg, seed=seed, callback=callback)[0], flush=True)
+    seed += 1
+
+
+def run() -> None:
+  config_lib.run_cli(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,50 @@
+"""Train (SFT) a DiffusionGemma from an ml_collections config.
+
+  python -m hackable_diffusion.train --config=configs/tiny.py [--workdir=runs/tiny]
+      [--config.optimizer.peak_lr=3e-4 --config.train.steps=2000 ...]
+
+A bare config name (`--config=tiny.py`) is looked up in configs/. Rerunning the same command resumes from the
+latest checkpoint of the workdir. The workdir gets config.json, tokenizer.model, checkpoints/, metrics.jsonl,
+tensorboard/ and eval/ (see docs/training.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+from ml_collections import config_flags
+
+from hackable_diffusion.training import config as config_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); override any "
+                                          "key with --config.section.key=value.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config file name>). Reruns resume "
+                               "from its latest checkpoint.")
+_NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Hide the progress bar.")
+
+
+def default_workdir(config_path: str) -> str:
+  name = os.path.splitext(os.path.basename(config_path.partition(":")[0]))[0]
+  return os.path.join("runs", name)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+  if _CONFIG.value is None:
+    raise config_lib.ConfigError("--config is required, e.g. --config=configs/tiny.py")
+  from hackable_diffusion.training import trainer  # local: keeps --help fast
+
+  workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
+  metrics = trainer.train(_CONFIG.value, workdir, progress=False if _NO_PROGRESS.value else None)
+  shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+  print(f"done: {workdir} ({shown})")
+
+
+def run() -> None:
+  config_lib.run_cli(main, flags_parser=config_lib.make_flags_parser())
+
+
+if __name__ == "__main__":
+  run()

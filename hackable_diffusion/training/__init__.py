@@ -1,0 +1,1 @@
+"""Training: optimizer, pure train/eval steps, checkpointing, logging, and the SFTTrainer."""

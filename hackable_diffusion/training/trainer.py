@@ -1,0 +1,503 @@
+"""`SFTTrainer`: thin orchestration of data, model, optimizer, loop, checkpoints, logging and evaluation.
+
+The math lives elsewhere: the loss in `diffusion/loss.py`, the pure `(state, batch, key) -> (state, metrics)`
+step in `training/step.py`, the optimizer in `training/optimizer.py`. This module wires them to a workdir:
+
+  workdir/config.json        the resolved config          workdir/tokenizer.model   the tokenizer used
+  workdir/checkpoints/<N>/   orbax (see checkpointing.py)  workdir/metrics.jsonl     one JSON object per log step
+  workdir/tensorboard/       TensorBoard events            workdir/eval/             reports and plots
+  workdir/data/              data written by a built-in generator (data.generator)
+
+Exact resume: step `s` uses `jax.random.fold_in(key(seed), s)` and the batch the grain iterator yields after
+the state stored with the checkpoint, so N straight steps and N/2 + resume + N/2 give the same parameters.
+
+Non-finite loss: the step leaves the state unchanged when the loss or gradient is not finite and reports
+`finite=False`; the trainer reads that flag every step (one scalar device->host read, which serialises host and
+device work but costs little next to a step), saves the unchanged (last good) state as a checkpoint, and stops
+with a one-line `TrainingError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from hackable_diffusion.data.sft import DataError, SFTDataConfig, make_sft_dataset
+from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, train_tokenizer
+from hackable_diffusion.evaluation import loop as eval_loop
+from hackable_diffusion.evaluation.tasks import Task, get_task
+from hackable_diffusion.interop.hf import CheckpointError
+from hackable_diffusion.interop.hf import load_config as load_hf_config
+from hackable_diffusion.interop.hf import load_pretrained
+from hackable_diffusion.model.config import ConfigError, ModelConfig, get_preset
+from hackable_diffusion.model.transformer import DiffusionGemma, init_model
+from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
+from hackable_diffusion.training.config import ExperimentConfig, TrainingError
+from hackable_diffusion.training.logging import MetricWriter, Progress, is_main_process
+from hackable_diffusion.training.optimizer import make_optimizer
+from hackable_diffusion.training.step import TrainState, init_train_state, make_train_step, state_to_model
+
+DATA_DIR = "data"
+EVAL_DIR = "eval"
+_LOGGED = ("loss", "diffusion_loss", "ar_loss", "accuracy", "accuracy_corrupted", "grad_norm")
+
+
+# ---- building blocks (also used by the evaluate / sample CLIs) ---------------------------------------------------
+def as_experiment_config(config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any]) -> ExperimentConfig:
+  return config if isinstance(config, ExperimentConfig) else ExperimentConfig.from_config_dict(config)
+
+
+def data_paths(cfg: ExperimentConfig, workdir: str) -> dict[str, str]:
+  """`{'train': path, 'validation': path or ''}`; a built-in generator writes its files into workdir/data."""
+  if cfg.data.generator:
+    task = get_task(cfg.data.generator, cfg.data.generator_args)
+    paths = task.make_data(os.path.join(workdir, DATA_DIR))
+    return {"train": paths["train"], "validation": paths.get("validation", "")}
+  return {"train": cfg.data.train_path, "validation": cfg.data.validation_path}
+
+
+def _training_texts(cfg: ExperimentConfig, path: str) -> list[str]:
+  """Prompt (chat template applied) and completion texts of a JSONL file, for training a tokenizer."""
+  if not os.path.isfile(path):
+    raise DataError(f"{path}: data file not found")
+  texts = []
+  template = cfg.data.chat_template
+  fields = (cfg.data.prompt_field, cfg.data.completion_field)
+  with open(path, "rb") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      problem = None
+      try:
+        obj = json.loads(line.decode("utf-8").lstrip("\ufeff"))
+      except UnicodeDecodeError:
+        problem = "not valid UTF-8"
+      except json.JSONDecodeError as e:
+        problem = f"invalid JSON ({e.msg} at column {e.colno})"
+      else:
+        if not isinstance(obj, dict):
+          problem = f"expected a JSON object, got {type(obj).__name__}"
+        else:
+          missing = [k for k in fields if not isinstance(obj.get(k), str)]
+          if missing:
+            problem = (f"field {missing[0]!r} is missing or not a string (keys: {sorted(obj)}; set "
+                       f"data.prompt_field / data.completion_field if the data uses other names)")
+      if problem is not None:
+        if cfg.data.on_malformed == "skip":
+          continue
+        raise DataError(f"{path}:{lineno}: {problem}; set data.on_malformed='skip' to skip such lines")
+      prompt, completion = obj[fields[0]], obj[fields[1]]
+      texts += [template.format(prompt=prompt) if template else prompt, completion]
+  if not texts:
+    raise DataError(f"{path}: no records to train a tokenizer on")
+  return texts
+
+
+def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tokenizer:
+  """The run's tokenizer: `workdir/tokenizer.model` if present, else trained on the data or loaded from
+  `tokenizer.path`, then saved into the workdir (evaluation, sampling and export reuse it)."""
+  saved = os.path.join(workdir, TOKENIZER_FILENAME)
+  try:
+    if os.path.isfile(saved):
+      return Tokenizer.load(saved)
+    if cfg.tokenizer.path == "train":
+      tok = train_tokenizer(_training_texts(cfg, train_path), model_type=cfg.tokenizer.model_type,
+                            vocab_size=cfg.tokenizer.vocab_size or None)
+    else:
+      tok = Tokenizer.load(cfg.tokenizer.path)
+  except (FileNotFoundError, ValueError) as e:
+    if isinstance(e, (DataError, ConfigError)):
+      raise
+    raise ConfigError(f"tokenizer: {e}") from None
+  if is_main_process():
+    tok.save(workdir)
+  return tok
+
+
+def load_run_tokenizer(workdir: str) -> Tokenizer:
+  path = os.path.join(workdir, TOKENIZER_FILENAME)
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{path}: no tokenizer in this workdir (was it written by hackable_diffusion.train?)")
+  try:
+    return Tokenizer.load(path)
+  except ValueError as e:
+    raise CheckpointError(f"{path}: {e}") from None
+
+
+def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
+  """ModelConfig of the run: the preset (or the checkpoint's config.json) with `model.overrides`.
+
+  For a fresh init, `vocab_size` and the pad/eos/bos ids default to the tokenizer's. The tokenizer must fit
+  in the model's vocabulary.
+  """
+  overrides = dict(cfg.model.overrides)
+  if cfg.model.checkpoint:
+    overrides.setdefault("param_dtype", cfg.model.dtype)
+    overrides.setdefault("dtype", cfg.model.dtype)
+    model_config = load_hf_config(cfg.model.checkpoint, **overrides)
+  else:
+    overrides.setdefault("vocab_size", tokenizer.vocab_size)
+    for name, tid in (("pad_token_id", tokenizer.pad_id), ("eos_token_id", tokenizer.eos_id),
+                      ("bos_token_id", tokenizer.bos_id)):
+      if tid >= 0:
+        overrides.setdefault(name, tid)
+    try:
+      model_config = get_preset(cfg.model.preset, **overrides)
+    except (TypeError, ValueError) as e:
+      if isinstance(e, ConfigError):
+        raise
+      raise ConfigError(f"model.overrides: {e}") from None
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is "
+                      f"{model_config.vocab_size}")
+  return model_config
+
+
+def apply_lora(cfg: ExperimentConfig, model: DiffusionGemma) -> tuple[nnx.Module, Any]:
+  """Wraps `model` with adapters when `lora.enabled` -> (model, trainable filter); else (model, nnx.Param).
+
+  The LoRA package provides `hackable_diffusion.lora.from_config(model, lora_section) -> (model, filter)`.
+  """
+  if not cfg.lora.get("enabled", False):
+    return model, nnx.Param
+  try:
+    from hackable_diffusion import lora as lora_lib  # local: optional feature
+    from_config = lora_lib.from_config
+  except (ImportError, AttributeError):
+    raise ConfigError("lora.enabled=True but hackable_diffusion.lora.from_config is not available") from None
+  return from_config(model, dict(cfg.lora))
+
+
+def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, abstract: bool = False) -> tuple[nnx.Module, Any]:
+  """The network to train (fresh init from the preset or `hd.load_pretrained`), LoRA-wrapped if configured.
+
+  `abstract=True` builds shapes only (`nnx.eval_shape`), for restoring a checkpoint.
+  """
+  if abstract:
+    trainable = []
+
+    def make():
+      wrapped, filt = apply_lora(cfg, DiffusionGemma(model_config, rngs=nnx.Rngs(cfg.train.seed)))
+      trainable.append(filt)
+      return wrapped
+
+    return nnx.eval_shape(make), trainable[0]
+  if cfg.model.checkpoint:
+    overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
+    model = load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, **overrides)
+  else:
+    model = init_model(model_config, seed=cfg.train.seed)
+  return apply_lora(cfg, model)
+
+
+def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str, *, batch_size: int,
+                    shuffle: bool, seed: int) -> SFTDataConfig:
+  d = cfg.data
+  try:
+    return SFTDataConfig(
+        path=path, prompt_field=d.prompt_field, completion_field=d.completion_field,
+        chat_template=d.chat_template or None, max_prompt_length=d.max_prompt_length,
+        canvas_length=model_config.canvas_length, max_canvases=d.max_canvases, append_eos=d.append_eos,
+        add_bos=d.add_bos, on_overlength=d.on_overlength, on_malformed=d.on_malformed, batch_size=batch_size,
+        shuffle=shuffle, seed=seed, num_epochs=None, drop_remainder=True, prefetch_batches=d.prefetch_batches,
+        pinned_field=d.pinned_field or None)
+  except ValueError as e:
+    raise ConfigError(f"data: {e}") from None
+
+
+def eval_task(cfg: ExperimentConfig) -> Task:
+  """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task)."""
+  if cfg.eval.task:
+    return get_task(cfg.eval.task, cfg.eval.task_args)
+  if cfg.data.generator:
+    return get_task(cfg.data.generator, cfg.data.generator_args)
+  return get_task("text", cfg.eval.task_args)
+
+
+def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: Tokenizer,
+                   paths: Mapping[str, str], num_examples: int | None = None) -> eval_loop.EvalData:
+  split = cfg.eval.split
+  path = paths.get(split) or ""
+  if not path:
+    logging.warning("no %s data configured; evaluating on the training data", split)
+    path = paths["train"]
+  data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
+  return eval_loop.load_eval_data(path, data_cfg, tokenizer, num_examples or cfg.eval.num_examples)
+
+
+def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data: eval_loop.EvalData, *,
+                   step: int, out_dir: str | None, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+  """Runs the configured evaluation (every step budget + early stopping) and writes the report/plot."""
+  max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
+  runs = eval_loop.eval_runs(cfg.eval, max_new)
+  return eval_loop.run_evaluation(model, tokenizer, data, eval_task(cfg), runs, batch_size=cfg.eval.batch_size,
+                                  seed=cfg.eval.seed, step=step, out_dir=out_dir, num_samples=cfg.eval.num_samples,
+                                  log=log)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+  """A trained model restored from a workdir (for evaluation and sampling)."""
+
+  config: ExperimentConfig
+  model: nnx.Module
+  tokenizer: Tokenizer
+  step: int
+  paths: dict[str, str]
+
+
+def load_run(workdir: str, config: ExperimentConfig | ml_collections.ConfigDict | None = None,
+             step: int | None = None) -> LoadedRun:
+  """Restores the model of checkpoint `step` (default: latest) of `workdir`, without optimizer state."""
+  if not os.path.isdir(workdir):
+    raise CheckpointError(f"{workdir}: no such workdir")
+  if config is None:
+    config = config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME))
+  cfg = as_experiment_config(config)
+  tokenizer = load_run_tokenizer(workdir)
+  model_config = build_model_config(cfg, tokenizer)
+  ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True)
+  meta = ckpt.restore_meta(step)
+  step = int(meta["step"])
+  has_rest = meta.get("has_rest", True)
+  # Shapes only, unless the frozen weights come from the base checkpoint (LoRA on a pretrained model).
+  abstract, trainable = build_model(cfg, model_config, abstract=has_rest)
+  graphdef, params, rest = nnx.split(abstract, trainable, ...)
+  params, restored_rest, _ = ckpt.restore_variables(params, rest if has_rest else None, step)
+  ckpt.close()
+  model = nnx.merge(graphdef, params, restored_rest if has_rest else rest)
+  paths = {"train": "", "validation": ""}
+  try:
+    paths = data_paths(cfg, workdir)
+  except (ConfigError, DataError) as e:
+    logging.warning("data of this run is not available: %s", e)
+  return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths)
+
+
+# ---- compiled steps, shared by trainers of the same model/optimizer/loss ----------------------------------------
+_STEP_CACHE: dict[Any, tuple[Any, Callable, Callable]] = {}
+_STEP_CACHE_SIZE = 4
+
+
+def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> tuple[Any, Callable, Callable]:
+  """(tx, lr schedule, jitted train step), memoised so that a second trainer in the same process (a resumed run,
+  a notebook re-run) reuses the compiled step instead of compiling it again."""
+  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps)
+  if key not in _STEP_CACHE:
+    tx, schedule = make_optimizer(cfg.optimizer)
+    step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
+                           lr_schedule=schedule)
+    while len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
+      _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+    _STEP_CACHE[key] = (tx, schedule, step)
+  return _STEP_CACHE[key]
+
+
+# ---- the trainer ------------------------------------------------------------------------------------------------
+class SFTTrainer:
+  """Supervised fine-tuning of a DiffusionGemma on prompt/completion data, resumable from its workdir.
+
+  `SFTTrainer(config, workdir).train()` builds the tokenizer, data, model and optimizer, restores the latest
+  checkpoint of `workdir/checkpoints` if there is one, trains to `train.steps`, evaluates every
+  `train.eval_every` steps and at the end, and returns the last logged metrics.
+
+  Args:
+    config: an `ExperimentConfig` or a ConfigDict/dict with the sections of `training/config.py`.
+    workdir: the run directory (created).
+    progress: show the tqdm bar (default: on process 0).
+  """
+
+  def __init__(self, config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any], workdir: str, *,
+               progress: bool | None = None):
+    self.config = cfg = as_experiment_config(config)
+    self.workdir = workdir = os.path.abspath(workdir)
+    self._progress_enabled = progress
+    os.makedirs(workdir, exist_ok=True)
+    if is_main_process():
+      config_lib.write_config_json(cfg.raw, workdir)
+    self.paths = data_paths(cfg, workdir)
+    self.tokenizer = build_tokenizer(cfg, workdir, self.paths["train"])
+    self.model_config = build_model_config(cfg, self.tokenizer)
+    data_cfg = sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=cfg.train.batch_size,
+                               shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=jax.process_index(),
+                                       shard_count=jax.process_count())
+    self.checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=cfg.train.keep_checkpoints,
+                                     async_save=cfg.train.async_checkpointing)
+    self._save_rest = not (cfg.model.checkpoint and cfg.lora.get("enabled", False))
+    latest = self.checkpointer.latest_step()
+    self.seed = cfg.train.seed
+    self._data_state: dict[str, Any] | None = None
+    if latest is None:
+      model, trainable = build_model(cfg, self.model_config)
+      self.graphdef = nnx.split(model, trainable, ...)[0]
+      self.tx, self.lr_schedule, self.train_step = _optimizer_and_step(self.graphdef, cfg)
+      _, self.state = init_train_state(model, self.tx, trainable=trainable)
+      del model
+    else:
+      self._restore(latest)
+    # Committed arrays: a fresh and a restored state then hit the same compiled step (jit keys on it).
+    self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self.state)
+    self._eval_data: eval_loop.EvalData | None = None
+
+  # ---- state ------------------------------------------------------------------------------------------------
+  def _restore(self, step: int) -> None:
+    cfg = self.config
+    has_rest = self.checkpointer.restore_meta(step).get("has_rest", True)
+    # Shapes only, unless the frozen weights come from the base checkpoint (they are not in ours).
+    model, trainable = build_model(cfg, self.model_config, abstract=has_rest)
+    self.graphdef, params, rest = nnx.split(model, trainable, ...)
+    self.tx, self.lr_schedule, self.train_step = _optimizer_and_step(self.graphdef, cfg)
+    target = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest if has_rest else None,
+                        opt_state=jax.eval_shape(self.tx.init, params))
+    state, meta = self.checkpointer.restore(target, step)
+    self.state = state if has_rest else state.replace(rest=rest)
+    self.seed = int(meta.get("seed", cfg.train.seed))
+    if self.seed != cfg.train.seed:
+      logging.warning("resuming with the checkpoint's seed %d (the config says train.seed=%d)", self.seed,
+                      cfg.train.seed)
+    self._data_state = meta.get("data_state")
+    logging.info("restored %s/%d", self.checkpointer.directory, step)
+
+  @property
+  def step(self) -> int:
+    return int(self.state.step)
+
+  def model(self) -> nnx.Module:
+    """The current model (shares arrays with the train state: use it before the next train step)."""
+    return state_to_model(self.graphdef, self.state)
+
+  def save(self, step: int, data_state: Mapping[str, Any] | None, *, wait: bool = False) -> None:
+    meta = {"seed": self.seed, "data_state": dict(data_state) if data_state is not None else None,
+            "has_rest": self._save_rest}
+    state = self.state if self._save_rest else self.state.replace(rest=None)
+    self.checkpointer.save(step, state, meta, wait=wait)
+
+  # ---- evaluation ---------------------------------------------------------------------------------------------
+  def eval_data(self) -> eval_loop.EvalData:
+    if self._eval_data is None:
+      self._eval_data = load_eval_data(self.config, self.model_config, self.tokenizer, self.paths)
+    return self._eval_data
+
+  def evaluate(self, *, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Evaluates the current state; writes workdir/eval/report_step_{N}.json and the plot (process 0)."""
+    out_dir = os.path.join(self.workdir, EVAL_DIR) if is_main_process() else None
+    return evaluate_model(self.config, self.model(), self.tokenizer, self.eval_data(), step=self.step,
+                          out_dir=out_dir, log=log)
+
+  # ---- the loop -----------------------------------------------------------------------------------------------
+  def train(self) -> dict[str, float]:
+    """Trains to `train.steps`; returns the last logged metrics. Raises TrainingError on a non-finite loss."""
+    cfg = self.config.train
+    total = cfg.steps
+    step = self.step
+    base_key = jax.random.key(self.seed)
+    iterator = self.train_data.iterator(self._data_state)
+    writer = MetricWriter(self.workdir, resume_step=step)
+    bar = Progress(total, step, enabled=self._progress_enabled)
+    pending: list[dict[str, jax.Array]] = []
+    last: dict[str, float] = {}
+    tokens = 0.0
+    t_log = time.perf_counter()
+    if step > 0:
+      bar.write(f"resuming from step {step} ({self.checkpointer.directory})")
+    try:
+      while step < total:
+        data_state = iterator.get_state()
+        batch = next(iterator)
+        tokens += float(np.sum(batch.prompt_mask) + np.sum(batch.completion_mask))
+        self.state, metrics = self.train_step(self.state, batch, jax.random.fold_in(base_key, step))
+        if not bool(metrics["finite"]):
+          self._stop_non_finite(step, metrics, data_state, writer)
+        step += 1
+        pending.append(metrics)
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == total:
+          elapsed = time.perf_counter() - t_log
+          last = self._log(step, pending, writer, tokens / max(elapsed, 1e-9), len(pending) / max(elapsed, 1e-9))
+          bar.update(0, tokens=tokens)
+          bar.set_metrics(last["loss"], lr=last.get("lr", 0.0))
+          pending, tokens, t_log = [], 0.0, time.perf_counter()
+        if step % cfg.checkpoint_every == 0 or step == total:
+          self.save(step, iterator.get_state())
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+          self._evaluate_and_log(step, writer, bar)
+          t_log = time.perf_counter()
+      self.checkpointer.wait()
+      if cfg.eval_at_end and step == total:
+        report_path = os.path.join(self.workdir, EVAL_DIR, eval_loop.REPORT_PATTERN.format(step=step))
+        if not os.path.exists(report_path):
+          self._evaluate_and_log(step, writer, bar)
+    except KeyboardInterrupt:
+      self.save(step, iterator.get_state(), wait=True)
+      raise TrainingError(f"interrupted at step {step}; saved a checkpoint - rerun the same command to resume")
+    finally:
+      bar.close()
+      writer.close()
+      self.checkpointer.wait()
+      self._data_state = iterator.get_state()  # a later train() call continues from here
+    return last
+
+  def _log(self, step: int, pending: list[dict[str, jax.Array]], writer: MetricWriter, tokens_per_s: float,
+           steps_per_s: float) -> dict[str, float]:
+    host = jax.device_get(pending)
+    out = {k: float(np.mean([m[k] for m in host])) for k in _LOGGED if k in host[0]}
+    if "lr" in host[-1]:
+      out["lr"] = float(host[-1]["lr"])
+    out["tokens_per_s"] = tokens_per_s
+    out["steps_per_s"] = steps_per_s
+    writer.write(step, out, prefix="train/")
+    return out
+
+  def _evaluate_and_log(self, step: int, writer: MetricWriter, bar: Progress) -> None:
+    report = self.evaluate(log=bar.write if is_main_process() else None)
+    for run in report["runs"]:
+      values = {f"{run['name']}/{k}": v for k, v in run["metrics"].items() if isinstance(v, float)}
+      values[f"{run['name']}/mean_denoising_steps"] = run["mean_denoising_steps"]
+      writer.write(step, values, prefix="eval/")
+
+  def _stop_non_finite(self, step: int, metrics: Mapping[str, jax.Array], data_state: Mapping[str, Any],
+                       writer: MetricWriter) -> None:
+    loss = float(metrics["loss"])
+    grad_norm = float(metrics["grad_norm"])
+    writer.write(step, {"loss": loss, "grad_norm": grad_norm}, prefix="train/")
+    # The step left the state unchanged: it is the state after `step` good updates.
+    saved = step not in self.checkpointer.all_steps()
+    self.save(step, data_state, wait=True)
+    where = f"{self.checkpointer.directory}/{step}"
+    raise TrainingError(
+        f"non-finite loss at step {step} (loss={loss}, grad_norm={grad_norm}); stopped and "
+        f"{'saved' if saved else 'kept'} the last good state as {where} - lower optimizer.peak_lr or check the data")
+
+  def close(self) -> None:
+    self.checkpointer.close()
+
+  def __enter__(self) -> SFTTrainer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def train(config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any], workdir: str, *,
+          progress: bool | None = None) -> dict[str, float]:
+  """Builds an `SFTTrainer` and trains; returns the last logged metrics."""
+  with SFTTrainer(config, workdir, progress=progress) as trainer:
+    return trainer.train()
+
+
+__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "SFTTrainer", "apply_lora", "build_model", "build_model_config",
+           "build_tokenizer", "data_paths", "eval_task", "evaluate_model", "load_eval_data", "load_run",
+           "load_run_tokenizer", "sft_data_config", "train"]

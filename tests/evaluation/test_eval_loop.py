@@ -1,0 +1,180 @@
+"""Evaluation: task metrics and registry, toy data, the generation loop with task hooks, report and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from hackable_diffusion.data import SFTDataConfig, train_tokenizer
+from hackable_diffusion.evaluation import loop
+from hackable_diffusion.evaluation.tasks import (TASKS, DigitsTask, EvalRecord, Task, TextTask, char_accuracy,
+                                                 exact_match, get_task, write_jsonl_splits)
+from hackable_diffusion.model.config import ConfigError, get_preset
+from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.training.config import EvalSection
+
+
+def _records(*pairs):
+  return [EvalRecord(prompt=p, completion=c) for p, c in pairs]
+
+
+def test_text_metrics():
+  recs = _records(("a", "123"), ("b", "456"), ("c", "789"))
+  m = TextTask().metrics(["123", " 456\n", "780"], recs)
+  assert m["exact_match"] == pytest.approx(2 / 3)
+  assert m["char_accuracy"] == pytest.approx(8 / 9)
+  assert m["length_match"] == 1.0
+  assert char_accuracy(["12"], ["123"]) == pytest.approx(2 / 3)  # missing characters count as wrong
+  assert exact_match([" x"], ["x"], strip=False) == 0.0
+  with pytest.raises(ValueError, match="2 predictions for 3 records"):
+    TextTask().metrics(["1", "2"], recs)
+
+
+def test_digits_task_data(tmp_path):
+  task = DigitsTask(op="sort", length=5, num_train=20, num_validation=4, seed=3)
+  train = task.records("train")
+  assert len(train) == 20 and all(r["completion"] == "".join(sorted(r["prompt"])) for r in train)
+  assert task.records("train") == train  # deterministic
+  assert task.records("validation") != train[:4]
+  assert DigitsTask(op="reverse").records("validation")[0]["completion"] == \
+      DigitsTask(op="reverse").records("validation")[0]["prompt"][::-1]
+  paths = task.make_data(str(tmp_path))
+  mtime = os.path.getmtime(paths["train"])
+  assert task.make_data(str(tmp_path)) == paths and os.path.getmtime(paths["train"]) == mtime  # reused
+  with open(paths["validation"]) as f:
+    assert [json.loads(line) for line in f] == task.records("validation")
+  DigitsTask(op="shift", length=5, num_train=20, num_validation=4, seed=3).make_data(str(tmp_path))
+  with open(paths["train"]) as f:  # a different spec regenerates the files
+    first = json.loads(f.readline())
+  assert first["completion"] == "".join(str((int(c) + 1) % 10) for c in first["prompt"])
+  with pytest.raises(ConfigError, match="op='bogus'"):
+    DigitsTask(op="bogus")
+
+
+def test_task_registry():
+  assert isinstance(get_task("text"), TextTask)
+  assert get_task("digits", {"op": "reverse"}).op == "reverse"
+  assert isinstance(get_task("hackable_diffusion.evaluation.tasks:TextTask", {"allowed_chars": "01"}), TextTask)
+  for name, args, match in (("nope", None, "unknown task 'nope'"),
+                            ("no.such.module:Task", None, "cannot import no.such.module"),
+                            ("hackable_diffusion.evaluation.tasks:Nope", None, "has no attribute 'Nope'"),
+                            ("digits", {"bogus": 1}, "bad task arguments")):
+    with pytest.raises(ConfigError, match=match) as err:
+      get_task(name, args)
+    assert "\n" not in str(err.value)
+  assert "sudoku" in TASKS  # plugs in lazily from hackable_diffusion.tasks.sudoku
+
+
+def test_write_jsonl_splits_is_atomic(tmp_path):
+  paths = write_jsonl_splits(str(tmp_path), {"v": 1}, {"train": lambda: [{"prompt": "a", "completion": "b"}]})
+  assert sorted(os.listdir(tmp_path)) == ["data_spec.json", "train.jsonl"]
+  assert open(paths["train"]).read() == '{"prompt": "a", "completion": "b"}\n'
+
+
+def test_eval_runs():
+  runs = loop.eval_runs(EvalSection(step_budgets=(8, 2, 8), early_stopping_steps=5), max_new_tokens=16)
+  assert [(r.name, r.sampling.max_denoising_steps, r.sampling.early_stopping) for r in runs] == [
+      ("steps_2", 2, False), ("steps_8", 8, False), ("early_stopping", 5, True)]
+  assert all(r.sampling.max_new_tokens == 16 for r in runs)
+
+
+class _PinFirstDigit(Task):
+  """Pins the first canvas position to the target's first character; allows digits and EOS only."""
+
+  name = "pinned"
+  primary_metric = "first_char_ok"
+
+  def metrics(self, predictions, records):
+    return {"first_char_ok": float(np.mean([p[:1] == r.completion[:1] for p, r in zip(predictions, records)])),
+            "extra_field": float(np.mean([r.fields["k"] for r in records]))}
+
+  def allowed_token_ids(self, tokenizer):
+    return tokenizer.token_ids_for("0123456789") + [tokenizer.eos_id]
+
+  def seed_canvas(self, records, tokenizer, num_tokens):
+    seed = np.zeros((len(records), num_tokens), np.int32)
+    pinned = np.zeros((len(records), num_tokens), bool)
+    for i, r in enumerate(records):
+      seed[i, 0] = tokenizer.encode(r.completion[0])[0]
+      pinned[i, 0] = True
+    return seed, pinned
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("eval")
+  task = DigitsTask(length=5, num_train=8, num_validation=5, seed=0)
+  paths = task.make_data(str(tmp))
+  with open(paths["validation"]) as f:  # an extra JSON field, kept in EvalRecord.fields
+    lines = [dict(json.loads(line), k=i, pins="10001") for i, line in enumerate(f)]
+  with open(paths["validation"], "w") as f:
+    f.writelines(json.dumps(line) + "\n" for line in lines)
+  tok = train_tokenizer(["0123456789"])
+  model = init_model(get_preset("tiny", vocab_size=tok.vocab_size, canvas_length=8), seed=0)
+  cfg = SFTDataConfig(path=paths["validation"], max_prompt_length=6, canvas_length=8, batch_size=1)
+  data = loop.load_eval_data(paths["validation"], cfg, tok, num_examples=4)
+  return tmp, tok, model, data
+
+
+def test_load_eval_data(setup):
+  _, _, _, data = setup
+  assert len(data) == 4 and data.records.prompt_ids.shape == (4, 6)
+  assert [e.fields["k"] for e in data.examples] == [0, 1, 2, 3]
+  assert data.examples[0].completion == "".join(sorted(data.examples[0].prompt))
+
+
+def test_run_evaluation_report_and_plot(setup):
+  tmp, tok, model, data = setup
+  runs = loop.eval_runs(EvalSection(step_budgets=(2, 4), early_stopping_steps=4), max_new_tokens=8)
+  out = str(tmp / "out")
+  report = loop.run_evaluation(model, tok, data, TextTask(), runs, batch_size=3, step=11, out_dir=out,
+                               num_samples=2)
+  assert report["step"] == 11 and report["num_examples"] == 4 and report["primary_metric"] == "exact_match"
+  assert [r["name"] for r in report["runs"]] == ["steps_2", "steps_4", "early_stopping"]
+  assert report["runs"][0]["mean_denoising_steps"] == 2.0
+  assert 0.0 <= report["runs"][1]["metrics"]["char_accuracy"] <= 1.0
+  assert len(report["samples"]) == 2
+  with open(os.path.join(out, "report_step_11.json")) as f:
+    assert json.load(f)["runs"][0]["name"] == "steps_2"  # strict JSON
+  png = os.path.join(out, "accuracy_vs_steps_step_11.png")
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert len(loop.summary_lines(report)) == 3
+
+
+def test_task_hooks_reach_the_sampler(setup):
+  """allowed_token_ids and seed_canvas/pinned from the task are applied: even an untrained model then produces
+  only digits and keeps the pinned first character."""
+  _, tok, model, data = setup
+  runs = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=2), max_new_tokens=8)[:1]
+  report = loop.run_evaluation(model, tok, data, _PinFirstDigit(), runs, batch_size=4, num_samples=4)
+  assert report["runs"][0]["metrics"] == {"first_char_ok": 1.0, "extra_field": 1.5}
+  assert all(set(s["prediction"]) <= set("0123456789") for s in report["samples"])
+
+
+class _DigitsOnly(TextTask):
+  """No EOS either: an untrained model then always fills the whole canvas with digits."""
+
+  def allowed_token_ids(self, tokenizer):
+    return tokenizer.token_ids_for("0123456789")
+
+
+def test_data_pinned_tokens_are_pinned_in_evaluation(setup):
+  """With `pinned_field`, the data's pinned completion tokens start the canvas and never change; the other
+  positions start from noise (the reference must not leak)."""
+  tmp, tok, model, _ = setup
+  path = str(tmp / "validation.jsonl")
+  cfg = SFTDataConfig(path=path, max_prompt_length=6, canvas_length=8, batch_size=1, pinned_field="pins")
+  data = loop.load_eval_data(path, cfg, tok, num_examples=4)
+  assert data.records.completion_pinned[0, :6].tolist() == [True, False, False, False, True, False]
+  seed, pinned = loop._pinned_from_records(data.records, slice(0, 4), 8, model.config.vocab_size,
+                                           np.random.default_rng(0))
+  assert (seed[pinned] == data.records.completion_ids[:4, :8][pinned]).all()
+  runs = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=2), max_new_tokens=8)[:1]
+  report = loop.run_evaluation(model, tok, data, _DigitsOnly(), runs, batch_size=4, num_samples=4)
+  for sample in report["samples"]:
+    assert len(sample["prediction"]) == 8
+    assert sample["prediction"][0] == sample["target"][0] and sample["prediction"][4] == sample["target"][4]

@@ -1,0 +1,191 @@
+"""The CLIs as a user runs them (subprocesses): help, one-line errors, a run killed with SIGKILL and resumed,
+then evaluate and sample on the result.
+
+Subprocesses share a persistent XLA compilation cache (`<pytest basetemp>/xla_cache`, also used in-process by
+tests/training/test_trainer.py with the same settings), so the same programs are not compiled again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hackable_diffusion.data.sft import DataError
+from hackable_diffusion.interop.hf import CheckpointError
+from hackable_diffusion.training import checkpointing
+from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.training import logging as log_lib
+from hackable_diffusion.training import trainer as trainer_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 300
+# Same optimizer/eval settings as tests/training/test_trainer.py: the compiled programs are shared.
+TRAIN_OVERRIDES = [
+    f"--config.train.steps={STEPS}", "--config.optimizer.decay_steps=500", "--config.train.checkpoint_every=25",
+    "--config.train.log_every=25", "--config.train.eval_at_end=false", "--no_progress",
+]
+EVAL_OVERRIDES = ["--config.eval.num_examples=64", "--config.eval.step_budgets=(2,8)",
+                  "--config.eval.early_stopping_steps=8"]
+
+
+def compilation_cache_dir(tmp_path_factory) -> str:
+  path = tmp_path_factory.getbasetemp() / "xla_cache"
+  path.mkdir(exist_ok=True)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+  return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=compilation_cache_dir(tmp_path_factory),
+              PYTHONPATH=path)
+
+
+def cli(module, *args, env, cwd, timeout=300):
+  return subprocess.run([sys.executable, "-m", f"hackable_diffusion.{module}", *args], env=env, cwd=cwd,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("module,flag", [("train", "--config"), ("evaluate", "--step"), ("sample", "--prompt")])
+def test_help(module, flag, env, tmp_path):
+  res = cli(module, "--help", env=env, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr
+  assert flag in res.stdout and "--workdir" in res.stdout and f"hackable_diffusion.{module}" in res.stdout
+
+
+def test_bad_inputs_print_one_line(env, tmp_path):
+  """What a user sees for a bad key, a missing data file, a missing workdir: one `error:` line, exit code 1.
+  (The messages of more cases are checked in-process in tests/test_configs.py and below.)"""
+  import re
+
+  cases = [
+      ("train", ["--config=tiny.py", "--config.optimizer.peak_lrr=1"], "valid keys: .*peak_lr"),
+      ("train", ["--config=tiny.py", "--config.data.generator=", "--config.data.train_path=/no/such.jsonl",
+                 f"--workdir={tmp_path / 'w1'}"], "/no/such.jsonl: data file not found"),
+      ("evaluate", [f"--workdir={tmp_path / 'missing'}"], "missing/config.json: no such file"),
+  ]
+  for module, args, pattern in cases:
+    res = cli(module, *args, env=env, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1, (module, args)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (module, args, res.stderr)
+    assert re.search(pattern, lines[0]), (pattern, lines[0])
+
+
+def test_argv_checks_in_process(tmp_path):
+  """The flag checks the CLIs run before absl parses argv (fast, no subprocess)."""
+  argv = config_lib.prepare_argv(["prog", "--config=tiny.py", "--config.train.steps=3"])
+  assert argv[1] == "--config=" + os.path.join(config_lib.CONFIGS_DIR, "tiny.py")
+  argv = config_lib.prepare_argv(["prog", "--config", "tiny", "--config.train.steps=3"])
+  assert argv[2] == os.path.join(config_lib.CONFIGS_DIR, "tiny.py")
+  for argv, match in ((["prog", "--config=tiny.py", "--config.train.stepz=3"], "train has no 'stepz'; valid keys"),
+                      (["prog", "--config=tiny.py", "--config.model.overrides.hidden_size=3"],
+                       "overrides has no 'hidden_size'; valid keys: canvas_length"),
+                      (["prog", "--config.train.steps=3"], "given without --config=FILE"),
+                      (["prog", "--config=nope.py"], "'nope.py' not found")):
+    with pytest.raises(config_lib.ConfigError, match=match) as err:
+      config_lib.prepare_argv(argv)
+    assert "\n" not in str(err.value)
+  default = config_lib.load_config_file("tiny.py")
+  assert config_lib.prepare_argv(["prog", "--config.eval.seed=3"], default_config=default) == [
+      "prog", "--config.eval.seed=3"]
+
+
+def test_bad_data_errors_in_process(tmp_path):
+  """Data problems surface as one-line DataErrors naming file and line, before any model is built."""
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "1", "completion": "1"}\n{"prompt": 3\n')
+  nocomp = tmp_path / "nocomp.jsonl"
+  nocomp.write_text('{"prompt": "1", "answer": "1"}\n')
+  for path, match in ((bad, "bad.jsonl:2: invalid JSON"), (nocomp, "nocomp.jsonl:1: field 'completion' is missing")):
+    config = config_lib.load_config_file("tiny.py", {"data.generator": "", "data.train_path": str(path)})
+    with pytest.raises(DataError, match=match) as err:
+      trainer_lib.SFTTrainer(config, str(tmp_path / "w"))
+    assert "\n" not in str(err.value)
+  corrupt = tmp_path / "corrupt_run"
+  (corrupt / "checkpoints").mkdir(parents=True)
+  config_lib.write_config_json(config_lib.load_config_file("tiny.py"), str(corrupt))
+  (corrupt / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+  with pytest.raises(CheckpointError, match="tokenizer.model: not a valid SentencePiece model"):
+    trainer_lib.load_run(str(corrupt))
+
+
+def _wait_for_checkpoint(proc, workdir, min_step, timeout):
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise AssertionError(f"training ended before it could be killed: {proc.stderr.read()}")
+    steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+    if steps and max(steps) >= min_step:
+      return max(steps)
+    time.sleep(0.05)
+  raise AssertionError("no checkpoint appeared in time")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(env, tmp_path_factory):
+  """Starts training, SIGKILLs it right after its second checkpoint (async saves may be in flight), checks the
+  workdir, then reruns the same command, which resumes and finishes."""
+  tmp = tmp_path_factory.mktemp("cli_run")
+  workdir = str(tmp / "run")
+  args = [sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
+          *TRAIN_OVERRIDES]
+  proc = subprocess.Popen(args, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    seen = _wait_for_checkpoint(proc, workdir, 50, timeout=240)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == -signal.SIGKILL
+  # the killed workdir is loadable: its latest complete checkpoint restores
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  at_kill = ckpt.latest_step()
+  assert at_kill is not None and at_kill >= seen and at_kill < STEPS
+  assert trainer_lib.load_run(workdir).step == at_kill
+  res = subprocess.run(args, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+  return workdir, at_kill, res, env, tmp
+
+
+def test_sigkill_then_resume_finishes(killed_and_resumed):
+  workdir, at_kill, res, _, _ = killed_and_resumed
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert f"done: {workdir}" in res.stdout
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  assert ckpt.latest_step() == STEPS
+  steps = [r["step"] for r in log_lib.read_metrics(workdir) if "train/loss" in r]
+  assert steps == list(range(25, STEPS + 1, 25))  # the lost tail was dropped, nothing duplicated
+  losses = [r["train/loss"] for r in log_lib.read_metrics(workdir) if "train/loss" in r]
+  assert losses[-1] < losses[0]
+
+
+def test_evaluate_and_sample_cli(killed_and_resumed):
+  workdir, at_kill, _, env, tmp = killed_and_resumed
+  out = os.path.join(tmp, "eval_out")
+  res = cli("evaluate", f"--workdir={workdir}", f"--out={out}", *EVAL_OVERRIDES, env=env, cwd=tmp)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "early_stopping" in res.stdout and "exact_match=" in res.stdout
+  with open(os.path.join(out, f"report_step_{STEPS}.json")) as f:
+    report = json.load(f)
+  assert report["step"] == STEPS and report["num_examples"] == 64 and len(report["runs"]) == 3
+  assert os.path.exists(os.path.join(out, f"accuracy_vs_steps_step_{STEPS}.png"))
+  res = cli("evaluate", f"--workdir={workdir}", "--step=12345", env=env, cwd=tmp)
+  assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+  assert "no checkpoint at step 12345; available steps: [275, 300]" in res.stderr
+  res = cli("sample", f"--workdir={workdir}", "--prompt=5895382", "--steps=8", "--live", env=env, cwd=tmp)
+  assert res.returncode == 0, res.stderr[-2000:]
+  outs = res.stdout.strip().splitlines()
+  assert len(outs) == 1 and len(outs[0]) == 7 and outs[0].isdigit(), res.stdout
+  assert "[canvas 0 step   8]" in res.stderr  # the live view printed every step
+  res = subprocess.run([sys.executable, "-m", "hackable_diffusion.sample", f"--workdir={workdir}", "--steps=8",
+                        "--live"], input="5895382\n\n", env=env, cwd=tmp, capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode == 0 and "prompt> " in res.stdout and outs[0] in res.stdout, res.stderr[-2000:]

@@ -1,0 +1,119 @@
+"""Checkpointer: TrainState round trip, partial restores, retention, and one-line errors on bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hackable_diffusion.interop.hf import CheckpointError
+from hackable_diffusion.model.config import get_preset
+from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.training.checkpointing import Checkpointer
+from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
+from hackable_diffusion.training.step import init_train_state
+
+
+@pytest.fixture(scope="module")
+def state():
+  tx, _ = make_optimizer(OptimizerConfig())
+  graphdef, st = init_train_state(init_model(get_preset("tiny"), seed=0), tx)
+  # make the optimizer state non-trivial so that a mix-up between items would show
+  st = st.replace(step=jnp.asarray(7, jnp.int32),
+                  opt_state=jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                         st.opt_state))
+  return graphdef, st
+
+
+def _assert_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_and_meta(tmp_path, state):
+  _, st = state
+  with Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2) as ckpt:
+    assert ckpt.latest_step() is None
+    assert ckpt.save(7, st, {"seed": 3, "data_state": {"next_index": 12}})
+    assert not ckpt.save(7, st, {"seed": 3})  # existing step: no-op
+  with Checkpointer(str(tmp_path / "ckpt"), read_only=True) as ckpt:
+    restored, meta = ckpt.restore(jax.eval_shape(lambda: st))
+    assert meta == {"step": 7, "seed": 3, "data_state": {"next_index": 12}}
+    _assert_equal(restored, st)
+    assert jax.tree.structure(restored) == jax.tree.structure(st)
+    params, rest, meta2 = ckpt.restore_variables(st.params, st.rest)
+    _assert_equal(params, st.params)
+    _assert_equal(rest, st.rest)
+    assert meta2["step"] == 7
+
+
+def test_retention_keeps_latest(tmp_path, state):
+  _, st = state
+  with Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2, async_save=True) as ckpt:
+    for step in (1, 2, 3, 4):
+      ckpt.save(step, st, {})
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4]
+    assert ckpt.latest_step() == 4
+
+
+def test_without_rest(tmp_path, state):
+  _, st = state
+  with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+    ckpt.save(1, st.replace(rest=None), {"has_rest": False}, wait=True)
+    restored, meta = ckpt.restore(st.replace(rest=None))
+    assert restored.rest is None and meta["has_rest"] is False
+    _assert_equal(restored.params, st.params)
+  assert sorted(os.listdir(tmp_path / "ckpt" / "1")) and not (tmp_path / "ckpt" / "1" / "rest").exists()
+
+
+def test_errors_are_one_line(tmp_path, state):
+  _, st = state
+  with pytest.raises(CheckpointError, match="no checkpoint directory"):
+    Checkpointer(str(tmp_path / "missing"), read_only=True)
+  directory = str(tmp_path / "ckpt")
+  with Checkpointer(directory) as ckpt:
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+      ckpt.restore_meta()
+    ckpt.save(5, st, {}, wait=True)
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 6; available steps: \[5\]"):
+      ckpt.restore_meta(6)
+  # a damaged checkpoint: the array data of `params` is gone
+  shutil.rmtree(os.path.join(directory, "5", "params", "d"))
+  with Checkpointer(directory, read_only=True) as ckpt:
+    with pytest.raises(CheckpointError) as err:
+      ckpt.restore(st)
+  assert "\n" not in str(err.value) and "cannot restore" in str(err.value)
+  # a checkpoint of another model shape
+  directory2 = str(tmp_path / "ckpt2")
+  with Checkpointer(directory2) as ckpt:
+    ckpt.save(1, st, {}, wait=True)
+  other = init_train_state(init_model(get_preset("tiny", hidden_size=16, head_dim=4, global_head_dim=8), 0),
+                           make_optimizer(OptimizerConfig())[0])[1]
+  with Checkpointer(directory2, read_only=True) as ckpt:
+    with pytest.raises(CheckpointError, match="cannot restore"):
+      ckpt.restore(other)
+
+
+def test_partial_save_left_by_a_crash_is_ignored(tmp_path, state):
+  """A step directory under orbax's temporary name (a save killed before it finished) is not a checkpoint (orbax
+  also deletes it in the background when the directory is next opened for writing)."""
+  _, st = state
+  directory = tmp_path / "ckpt"
+  with Checkpointer(str(directory)) as ckpt:
+    ckpt.save(1, st, {}, wait=True)
+  partial = directory / "2.orbax-checkpoint-tmp-1234"
+  partial.mkdir()
+  (partial / "junk").write_text("x")
+  with Checkpointer(str(directory), read_only=True) as ckpt:
+    assert ckpt.all_steps() == [1]
+  with Checkpointer(str(directory)) as ckpt:
+    assert ckpt.latest_step() == 1
+    ckpt.save(2, st, {}, wait=True)  # the step of the killed save can be written again
+    assert ckpt.all_steps() == [1, 2]
