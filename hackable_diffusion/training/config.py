@@ -208,8 +208,8 @@ class EvalSection:
       _positive_int("eval", name, getattr(self, name), allow_zero=True)
     if not all(_is_int(b) and b > 0 for b in self.step_budgets):
       raise ConfigError(f"eval.step_budgets={self.step_budgets!r}; expected positive integers")
-    if self.split not in ("validation", "train"):
-      raise ConfigError(f"eval.split={self.split!r}; expected 'validation' or 'train'")
+    if self.split not in ("validation", "train", "test"):
+      raise ConfigError(f"eval.split={self.split!r}; expected 'validation', 'test' (generated data) or 'train'")
     for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
       v = getattr(self, name)
       if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0:

@@ -60,11 +60,13 @@ def as_experiment_config(config: ExperimentConfig | ml_collections.ConfigDict | 
 
 
 def data_paths(cfg: ExperimentConfig, workdir: str) -> dict[str, str]:
-  """`{'train': path, 'validation': path or ''}`; a built-in generator writes its files into workdir/data."""
+  """`{'train': path, 'validation': path or '', ...}`; a built-in generator writes its files (every split it
+  makes, e.g. also 'test') into workdir/data."""
   if cfg.data.generator:
     task = get_task(cfg.data.generator, cfg.data.generator_args)
-    paths = task.make_data(os.path.join(workdir, DATA_DIR))
-    return {"train": paths["train"], "validation": paths.get("validation", "")}
+    paths = dict(task.make_data(os.path.join(workdir, DATA_DIR)))
+    paths.setdefault("validation", "")
+    return paths
   return {"train": cfg.data.train_path, "validation": cfg.data.validation_path}
 
 
@@ -230,6 +232,8 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
                    paths: Mapping[str, str], num_examples: int | None = None) -> eval_loop.EvalData:
   split = cfg.eval.split
   path = paths.get(split) or ""
+  if not path and split == "test":
+    raise ConfigError("eval.split='test' needs a data generator that writes a test split (e.g. data.generator='sudoku')")
   if not path:
     logging.warning("no %s data configured; evaluating on the training data", split)
     path = paths["train"]

@@ -1,6 +1,7 @@
 """Sudoku SFT data on disk: ``train.jsonl``, ``validation.jsonl``, ``test.jsonl``.
 
-Each line is ``{"prompt": <81 chars, '0' = blank>, "completion": <81 digits>, "givens": int}``, the
+Each line is ``{"prompt": <81 chars, '0' = blank>, "completion": <81 digits>, "givens": int, "pinned": <81 0/1>}``
+(``pinned`` marks the givens: the data pipeline's ``pinned_field`` for infilling-style training), the
 format `hackable_diffusion.data.sft` reads. Each split has its own seed derived from ``(seed, split)``,
 so the validation and test puzzles do not change when ``num_train`` does; splits are disjoint (a puzzle
 already in test, then validation, is redrawn in the later split). Files are written to temporary names
@@ -184,6 +185,7 @@ def _write_jsonl(path: pathlib.Path, data: generator.SudokuDataset) -> None:
           'prompt': formatting.puzzle_to_prompt(puzzle),
           'completion': formatting.solution_to_completion(solution),
           'givens': int(givens),
+          'pinned': ''.join('1' if v else '0' for v in puzzle),  # completion tokens known at sampling time
       }
       f.write(json.dumps(record) + '\n')
     f.flush()

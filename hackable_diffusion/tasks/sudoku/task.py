@@ -1,0 +1,111 @@
+"""Sudoku as an evaluation task: generated data, digit-only sampling, pinned givens, solved-rate metrics.
+
+Registered as `eval.task='sudoku'` / `data.generator='sudoku'` (see `hackable_diffusion.evaluation.tasks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hackable_diffusion.evaluation.tasks import EvalRecord, Task
+from hackable_diffusion.model.config import ConfigError
+from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics
+
+DIGITS = "123456789"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SudokuTask(Task):
+  """Solve 9x9 puzzles: prompt = 81 chars ('0' blank), completion = 81 digits.
+
+  num_train / num_validation / num_test, seed, easy/medium/hard (bucket weights) and workers shape the
+  generated data (`make_data`). At evaluation, `pin_givens` starts the canvas from the givens and pins them
+  (the sampler never changes them); `digits_only` restricts sampling to the digits 1-9.
+  """
+
+  num_train: int = 20_000
+  num_validation: int = 500
+  num_test: int = 500
+  seed: int = 0
+  easy: float = 0.5
+  medium: float = 0.5
+  hard: float = 0.0
+  workers: int = 2
+  pin_givens: bool = True
+  digits_only: bool = True
+  name: str = "sudoku"
+  primary_metric: str = "solved_rate"
+
+  def __post_init__(self):
+    for field in ("num_train", "num_validation", "num_test"):
+      v = getattr(self, field)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"sudoku task {field}={v!r}; expected a positive integer")
+    if min(self.easy, self.medium, self.hard) < 0 or self.easy + self.medium + self.hard <= 0:
+      raise ConfigError(f"sudoku task bucket weights easy={self.easy}, medium={self.medium}, hard={self.hard} "
+                        "must be >= 0 and not all 0")
+
+  # ---- data --------------------------------------------------------------------------------------------------
+  def _spec(self) -> dict[str, Any]:
+    return {"task": "sudoku", "num_train": self.num_train, "num_validation": self.num_validation,
+            "num_test": self.num_test, "seed": self.seed, "easy": self.easy, "medium": self.medium,
+            "hard": self.hard}
+
+  def make_data(self, out_dir: str) -> dict[str, str]:
+    """Writes train/validation/test JSONL into `out_dir` (once; regenerated if the generation arguments change)."""
+    spec_path = os.path.join(out_dir, "data_spec.json")
+    try:
+      with open(spec_path, encoding="utf-8") as f:
+        same = json.load(f) == self._spec()
+    except (OSError, json.JSONDecodeError):
+      same = False
+    paths = dataset.dataset_paths(out_dir)
+    if not (same and all(p.exists() for p in paths.values())):
+      if os.path.isdir(out_dir):
+        for p in paths.values():
+          if p.exists():
+            os.remove(p)
+      weights = {"easy": self.easy, "medium": self.medium, "hard": self.hard}
+      dataset.write_dataset(out_dir, num_train=self.num_train, num_validation=self.num_validation,
+                            num_test=self.num_test, seed=self.seed, bucket_weights=weights, workers=self.workers)
+      tmp = spec_path + ".tmp"
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(self._spec(), f, sort_keys=True)
+      os.replace(tmp, spec_path)
+    return {split: str(p) for split, p in paths.items()}
+
+  # ---- sampling hooks ------------------------------------------------------------------------------------------
+  def allowed_token_ids(self, tokenizer: Any) -> Sequence[int] | None:
+    return tokenizer.token_ids_for(DIGITS) if self.digits_only else None
+
+  def seed_canvas(self, records: Sequence[EvalRecord], tokenizer: Any,
+                  num_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Givens at their cells (pinned) and uniform noise elsewhere; without `pin_givens` pure noise, no pins."""
+    rng = np.random.default_rng(len(records))
+    noise = rng.integers(0, tokenizer.vocab_size, size=(len(records), num_tokens)).astype(np.int32)
+    pinned = np.zeros((len(records), num_tokens), bool)
+    if not self.pin_givens:
+      return noise, pinned
+    digit_ids = np.asarray(tokenizer.token_ids_for("0" + DIGITS))
+    for i, record in enumerate(records):
+      grid = formatting.parse_grid(record.prompt)
+      given = grid > 0
+      noise[i, :81] = np.where(given, digit_ids[grid], noise[i, :81])
+      pinned[i, :81] = given
+    return noise, pinned
+
+  # ---- metrics ---------------------------------------------------------------------------------------------------
+  def metrics(self, predictions: Sequence[str], records: Sequence[EvalRecord]) -> dict[str, float]:
+    """Solved rate and blank-cell accuracy, overall and per bucket (easy >= 40 givens, medium 30-39, hard < 30)."""
+    if len(predictions) != len(records):
+      raise ValueError(f"{len(predictions)} predictions for {len(records)} records")
+    preds = np.stack([metrics.parse_prediction(p) for p in predictions])
+    puzzles = np.stack([formatting.parse_grid(r.prompt) for r in records])
+    solutions = np.stack([formatting.parse_grid(r.completion) for r in records])
+    return {k: float(v) for k, v in metrics.sudoku_metrics(preds, puzzles, solutions).items()}

@@ -1,0 +1,65 @@
+"""SudokuTask: generated data with pinned givens, sampling hooks, metrics through the task interface."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hackable_diffusion.data.tokenizer import train_tokenizer
+from hackable_diffusion.evaluation.tasks import EvalRecord, get_task
+from hackable_diffusion.model.config import ConfigError
+from hackable_diffusion.tasks.sudoku import formatting
+
+SOLUTION = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return train_tokenizer(["0123456789"])
+
+
+def test_make_data_writes_pinned_givens_and_reuses_files(tmp_path):
+  task = get_task("sudoku", dict(num_train=12, num_validation=4, num_test=4, workers=1))
+  paths = task.make_data(str(tmp_path))
+  assert set(paths) == {"train", "validation", "test"}
+  for line in open(paths["test"]):
+    rec = json.loads(line)
+    pinned = np.array([c == "1" for c in rec["pinned"]])
+    np.testing.assert_array_equal(pinned, formatting.parse_grid(rec["prompt"]) > 0)
+    assert rec["givens"] == pinned.sum()
+  mtime = (tmp_path / "train.jsonl").stat().st_mtime_ns
+  task.make_data(str(tmp_path))
+  assert (tmp_path / "train.jsonl").stat().st_mtime_ns == mtime  # same spec: not regenerated
+  get_task("sudoku", dict(num_train=13, num_validation=4, num_test=4, workers=1)).make_data(str(tmp_path))
+  assert sum(1 for _ in open(tmp_path / "train.jsonl")) == 13  # different spec: regenerated
+
+
+def test_seed_canvas_pins_exactly_the_givens(tok):
+  puzzle = "".join(c if i % 3 else "0" for i, c in enumerate(SOLUTION))
+  records = [EvalRecord(prompt=puzzle, completion=SOLUTION)]
+  seed, pinned = get_task("sudoku").seed_canvas(records, tok, 81)
+  given = formatting.parse_grid(puzzle) > 0
+  np.testing.assert_array_equal(pinned[0], given)
+  assert tok.decode(seed[0][given].tolist()) == "".join(c for c, g in zip(SOLUTION, given) if g)
+  _, none = get_task("sudoku", dict(pin_givens=False)).seed_canvas(records, tok, 81)
+  assert not none.any()
+  assert sorted(tok.decode(get_task("sudoku").allowed_token_ids(tok))) == list("123456789")
+  assert get_task("sudoku", dict(digits_only=False)).allowed_token_ids(tok) is None
+
+
+def test_metrics_score_solved_and_wrong_predictions():
+  puzzle = "".join(c if i % 2 else "0" for i, c in enumerate(SOLUTION))  # 40 givens: easy
+  records = [EvalRecord(prompt=puzzle, completion=SOLUTION)] * 3
+  wrong = SOLUTION[:-2] + SOLUTION[-1] + SOLUTION[-2]  # two cells swapped: rows break
+  m = get_task("sudoku").metrics([SOLUTION, wrong, "garbage"], records)
+  assert m["solved_rate"] == pytest.approx(1 / 3)
+  assert m["easy/count"] == 3 and m["medium/count"] == 0
+
+
+def test_bad_task_arguments():
+  with pytest.raises(ConfigError, match="num_train=0"):
+    get_task("sudoku", dict(num_train=0))
+  with pytest.raises(ConfigError, match="bucket weights"):
+    get_task("sudoku", dict(easy=0.0, medium=0.0, hard=0.0))
