@@ -138,6 +138,12 @@ def load_run_tokenizer(workdir: str) -> Tokenizer:
     raise CheckpointError(f"{path}: {e}") from None
 
 
+def is_run_workdir(path: str) -> bool:
+  """A directory written by `hackable_diffusion.train` (as opposed to a Hugging Face checkpoint)."""
+  return os.path.isdir(os.path.join(path, CHECKPOINT_DIR)) and os.path.isfile(
+      os.path.join(path, config_lib.CONFIG_FILENAME)) and not os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
 def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
   """ModelConfig of the run: the preset (or the checkpoint's config.json) with `model.overrides`.
 
@@ -145,6 +151,10 @@ def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConf
   in the model's vocabulary.
   """
   overrides = dict(cfg.model.overrides)
+  if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
+    base_cfg = config_lib.config_from_json(os.path.join(cfg.model.checkpoint, config_lib.CONFIG_FILENAME))
+    base = build_model_config(as_experiment_config(base_cfg), tokenizer)
+    return base.replace(**overrides) if overrides else base
   if cfg.model.checkpoint:
     overrides.setdefault("param_dtype", cfg.model.dtype)
     overrides.setdefault("dtype", cfg.model.dtype)
@@ -196,7 +206,13 @@ def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, abstract: b
       return wrapped
 
     return nnx.eval_shape(make), trainable[0]
-  if cfg.model.checkpoint:
+  if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
+    model = load_run(cfg.model.checkpoint).model  # a previous run's latest checkpoint as the base
+    from hackable_diffusion import lora as lora_lib  # local: optional feature
+
+    if lora_lib.has_lora(model):
+      model = lora_lib.merge(model)
+  elif cfg.model.checkpoint:
     overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
     model = load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, **overrides)
   else:

@@ -1,0 +1,117 @@
+"""Sudoku with the pure DiffusionGemma architecture (no task attention structure): exportable to transformers/vLLM.
+
+  python -m hackable_diffusion.train --config=configs/sudoku_pure.py --workdir=runs/sudoku_pure
+  python -m hackable_diffusion.export --workdir=runs/sudoku_pure --out=exported/sudoku --format=merged
+
+Same data, recipe and budget as configs/sudoku.py; only `attention_structure` differs (None). At CPU budgets it
+solves far fewer puzzles (README table): without the row/column/box structure the model has to discover it.
+"""
+
+import ml_collections
+
+STRUCTURE = None  # the pure architecture
+NUM_TRAIN = 30_000
+STEPS = 1200
+BATCH = 32
+PEAK_LR = 2e-3
+NUM_EVAL = 300
+T_MIN, T_MAX = 0.4, 0.8
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # The network: the 'tiny' preset (2 layers, hidden 32, 4 experts top-2, canvas 8) with a few changes.
+  config.model = ml_collections.ConfigDict(dict(
+      preset="sudoku",  # hidden 128, 4 layers (2 sliding + 2 full), 4 heads, 4 experts top-2
+      checkpoint="",  # or a HF DiffusionGemma directory to fine-tune (then preset='')
+      dtype="float32",  # parameter dtype when loading a checkpoint
+      # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
+      overrides=ml_collections.ConfigDict(dict(canvas_length=81, attention_structure=STRUCTURE)),
+  ))
+
+  config.tokenizer = ml_collections.ConfigDict(dict(
+      path="train",  # 'train': a char model trained on the training data; or a tokenizer.model path
+      model_type="char",
+      vocab_size=0,  # needed for bpe/unigram/word only
+  ))
+
+  # Data: a built-in generator writes train/validation JSONL into workdir/data.
+  config.data = ml_collections.ConfigDict(dict(
+      generator="sudoku",  # hackable_diffusion.tasks.sudoku.task.SudokuTask writes train/validation/test JSONL
+      generator_args=ml_collections.ConfigDict(dict(
+          num_train=NUM_TRAIN, num_validation=500, num_test=500, seed=0, easy=0.5, medium=0.5, hard=0.0,
+          workers=2)),
+      train_path="",
+      validation_path="",
+      prompt_field="prompt",
+      completion_field="completion",
+      chat_template="",  # e.g. '<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n'
+      max_prompt_length=81,  # the puzzle, one character per cell
+      max_canvases=1,  # the 81 solution digits are exactly one canvas
+      add_bos=False,
+      append_eos=False,  # fixed length: no end-of-sequence token needed
+      on_overlength="error",  # or 'truncate'
+      on_malformed="error",  # or 'skip'
+      shuffle=True,
+      prefetch_batches=2,
+      pinned_field="pinned",  # the givens: never corrupted in training, pinned at sampling. JSON key of a '0'/'1' string of completion tokens known at sampling time (infilling)
+  ))
+
+  # The SFT objective (REFERENCE §3).
+  config.diffusion = ml_collections.ConfigDict(dict(
+      loss_variant="flat",  # 'flat' | 'corrupted' | 'elbo'
+      schedule="linear",  # alpha_t = 1 - t
+      time_eps=1e-4,
+      self_conditioning_prob=0.5,
+      encoder_ar_weight=0.0,  # one canvas: the AR term would only double the encoder's cost (README table)
+  ))
+
+  # A small model trained from scratch takes a much larger learning rate than the fine-tuning recipe.
+  config.optimizer = ml_collections.ConfigDict(dict(
+      peak_lr=PEAK_LR,
+      end_lr_ratio=0.1,
+      warmup_steps=50,
+      decay_steps=STEPS,
+      schedule="cosine",
+      b1=0.9,
+      b2=0.99,
+      eps=1e-8,
+      weight_decay=0.0,
+      clip_norm=1.0,
+  ))
+
+  config.train = ml_collections.ConfigDict(dict(
+      steps=STEPS,
+      batch_size=BATCH,
+      grad_accum_steps=1,
+      seed=0,
+      log_every=25,
+      checkpoint_every=200,
+      keep_checkpoints=2,
+      eval_every=0,  # 0: evaluate at the end only
+      eval_at_end=True,
+      async_checkpointing=True,
+  ))
+
+  # Accuracy against the denoising-step budget, and with early stopping.
+  config.eval = ml_collections.ConfigDict(dict(
+      task="sudoku",
+      task_args=ml_collections.ConfigDict(),
+      split="test",  # held-out puzzles, disjoint from train and validation
+      num_examples=NUM_EVAL,
+      batch_size=100,
+      step_budgets=(8, 16, 32, 64),
+      early_stopping_steps=64,
+      max_new_tokens=0,  # 0 = max_canvases * canvas_length
+      entropy_bound=0.1,
+      t_min=T_MIN,
+      t_max=T_MAX,
+      stability_threshold=1,
+      confidence_threshold=0.005,
+      seed=0,
+      num_samples=8,
+  ))
+
+  config.lora = ml_collections.ConfigDict(dict(enabled=False))
+  return config
