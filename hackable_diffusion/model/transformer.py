@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hackable_diffusion import sharding
 from hackable_diffusion.model import layers, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
 Array = jax.Array
+_RESIDUAL = ("batch", None, None)  # residual stream [B, L, H]: sharded over the batch axes under a mesh
 
 
 def _dtype(name: str):
@@ -154,11 +156,12 @@ class DiffusionGemma(nnx.Module):
         FULL: encoder_mask(valid, positions, None),
     }
     rope = self._rope(positions)
-    x = self.embed(input_ids)
+    x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
     keys, values = list(cache.keys), list(cache.values)
     for i, layer in enumerate(self.layers):
       t = self.config.layer_types[i]
       x, keys[i], values[i] = layer.encode(x, *rope[t], keys[i], values[i], start, masks[t])
+      x = sharding.constrain(x, _RESIDUAL)
     new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
     return self.norm(x), new_cache
 
@@ -179,7 +182,7 @@ class DiffusionGemma(nnx.Module):
       soft = self.soft_embeddings(self_conditioning_logits)
       if self_conditioning_mask is not None:
         soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
-    x = self.self_conditioning(x, soft)
+    x = sharding.constrain(self.self_conditioning(x, soft), _RESIDUAL)
     if canvas_attention_mask is None and self.config.attention_structure is not None:
       canvas_attention_mask = jnp.asarray(structure.canvas_mask(self.config))
     positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
@@ -191,6 +194,7 @@ class DiffusionGemma(nnx.Module):
     for i, layer in enumerate(self.layers):
       t = self.config.layer_types[i]
       x = layer.decode(x, *rope[t], cache.keys[i], cache.values[i], prefix[t], canvas_attention_mask)
+      x = sharding.constrain(x, _RESIDUAL)
     return self.lm_logits(self.norm(x))
 
   def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
