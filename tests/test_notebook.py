@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import pathlib
 
@@ -11,6 +13,7 @@ from nbclient import NotebookClient
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow  # executes the quickstart notebook (Sudoku training): minutes on 2 cores; excluded from CI (pyproject addopts), run with -m slow
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   monkeypatch.setenv("HD_NOTEBOOK_SMALL", "1")
   monkeypatch.setenv("HD_NOTEBOOK_WORKDIR", str(tmp_path / "run"))

@@ -47,7 +47,8 @@ def test_writes_three_consistent_disjoint_splits(tmp_path):
     records = read_split(paths[split])
     assert len(records) == n
     for rec in records:
-      assert set(rec) == {'prompt', 'completion', 'givens'}
+      assert set(rec) == {'prompt', 'completion', 'givens', 'pinned'}
+      assert rec['pinned'] == ''.join('0' if p == '0' else '1' for p in rec['prompt'])  # the givens
       prompt, completion = rec['prompt'], rec['completion']
       assert len(prompt) == len(completion) == 81 and prompt.isdigit() and completion.isdigit()
       assert is_complete_valid(completion)

@@ -8,6 +8,8 @@ far above that and below what this budget reaches (see the printed report when i
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 
@@ -17,6 +19,7 @@ from hackable_diffusion.training import trainer as trainer_lib
 STEPS = 160
 
 
+@pytest.mark.slow  # trains 160 Sudoku steps: several minutes on 2 cores; excluded from CI (pyproject addopts), run with -m slow
 def test_short_sudoku_run_solves_easy_puzzles(tmp_path):
   overrides = {
       "data.generator_args.num_train": 2000, "data.generator_args.num_validation": 8,
