@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +96,34 @@ def _open(file: str):
     raise CheckpointError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _header(file: str) -> tuple[dict[str, Any], int]:
+  """The safetensors JSON header of `file` and the byte offset where tensor data starts."""
+  try:
+    with open(file, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      return json.loads(f.read(n)), 8 + n
+  except (OSError, struct.error, ValueError) as e:
+    raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _read_tensor(file: str, name: str, header: dict[str, Any], start: int) -> np.ndarray:
+  """Reads one tensor with plain file I/O (no memory map: the file's pages never count as resident memory)."""
+  entry = header[name]
+  if entry["dtype"] not in _ST_DTYPES:
+    raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+  begin, end = entry["data_offsets"]
+  with open(file, "rb") as f:
+    f.seek(start + begin)
+    data = f.read(end - begin)
+  if len(data) != end - begin:
+    raise CheckpointError(f"{file}: tensor {name!r} is truncated ({len(data)} of {end - begin} bytes)")
+  return np.frombuffer(data, dtype=_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
 def iter_tensors(path: str) -> Iterator[tuple[str, str, Any]]:
   """Yields (file, name, lazy slice handle) over every tensor of a checkpoint directory, one file open at a time."""
   for file in _weight_files(path):
@@ -131,7 +160,8 @@ def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any =
   loaded: set[str] = set()
   skipped_vision = 0
   stored = {name for _, name, _ in iter_tensors(path)}  # headers only
-  for file, name, handle in iter_tensors(path):
+  headers: dict[str, tuple[dict[str, Any], int]] = {}
+  for file, name, _ in iter_tensors(path):
     if name.startswith(_VISION_PREFIXES):
       skipped_vision += 1
       continue
@@ -144,10 +174,9 @@ def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any =
       raise CheckpointError(f"{file}: unexpected tensor {name!r} (not part of a DiffusionGemma text model)")
     var_path, transpose = names[key]
     var = variables[var_path]
-    try:
-      tensor = handle.get_tensor(name)
-    except Exception as e:
-      raise CheckpointError(f"{file}: cannot read tensor {name!r} ({str(e).splitlines()[0]})") from None
+    if file not in headers:
+      headers = {file: _header(file)}  # one file at a time
+    tensor = _read_tensor(file, name, *headers[file])
     shape = tuple(tensor.shape[::-1]) if transpose else tuple(tensor.shape)
     if shape != tuple(var.shape):
       expected = tuple(var.shape[::-1]) if transpose else tuple(var.shape)
