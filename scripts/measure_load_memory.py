@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+  """VmRSS / VmHWM (peak) of this process. Not ru_maxrss: that survives exec, i.e. it starts at the parent's peak."""
   with open("/proc/self/status") as f:
     for line in f:
-      if line.startswith("VmRSS:"):
+      if line.startswith(field + ":"):
         return int(line.split()[1]) / 1024
   return 0.0
 
@@ -30,9 +30,16 @@ def _load(path: str) -> None:
   import hackable_diffusion as hd
   from hackable_diffusion.interop import hf
 
-  base = _rss_mb()
+  # Baseline after the imports and the abstract (shape-only) model that loading builds first: what remains is
+  # the memory the weights themselves take while streaming.
+  from flax import nnx
+  from hackable_diffusion.model.transformer import DiffusionGemma
+
+  config = hf.load_config(path)
+  nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+  base = _status_mb("VmRSS")
   model = hd.load_pretrained(path)
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  peak = _status_mb("VmHWM")
   size = hf.checkpoint_nbytes(path) / 2**20
   print(json.dumps({"checkpoint_mb": round(size, 1), "baseline_rss_mb": round(base, 1), "peak_rss_mb": round(peak, 1),
                     "ratio": round((peak - base) / size, 2), "params_m": round(model.config.num_parameters() / 1e6, 1)}))
