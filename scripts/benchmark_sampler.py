@@ -10,6 +10,7 @@ the split and a load-robust view (on a shared machine torch's OpenMP threads slo
 
   python scripts/benchmark_sampler.py                       # both sizes, batch 1 and 8
   python scripts/benchmark_sampler.py --sizes=a --batches=1 --markdown=/tmp/table.md
+  python scripts/benchmark_sampler.py --smoke                # a micro model in seconds (used by the tests)
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ SIZES = {
                sliding_window=512, num_experts=8, top_k_experts=2, moe_intermediate_size=512,
                layer_types=[SLIDE, SLIDE, SLIDE, FULL, SLIDE, SLIDE, SLIDE, FULL]), 256, 64, 4),
 }
-NAMES = {"a": "Sudoku-size", "b": "~100M"}
+SIZES["smoke"] = (dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, num_experts=4,
+                       top_k_experts=2, moe_intermediate_size=16, layer_types=[SLIDE, FULL]), 8, 8, 2)
+NAMES = {"a": "Sudoku-size", "b": "~100M", "smoke": "micro (smoke test)"}
 REPEATS = 3
 
 
@@ -130,7 +134,7 @@ def forward_runners(ours, ids, canvas, steps, bucket):
           lambda: jax.block_until_ready(encode(state, ids)))
 
 
-def minimum_times(fns: dict, rounds: int, budget_s: float) -> tuple[dict, dict]:
+def minimum_times(fns: dict, rounds: int, budget_s: float, pause_s: float = 2.0) -> tuple[dict, dict]:
   """Runs each callable `rounds` times in a block (fewer once `budget_s` is spent on it) and keeps its minimum wall
   time and minimum process CPU time (all threads). The blocks are separated by a pause: interleaving torch and
   XLA calls makes each library's idle threads (which spin for a while before sleeping) slow the other one down
@@ -138,7 +142,7 @@ def minimum_times(fns: dict, rounds: int, budget_s: float) -> tuple[dict, dict]:
   wall = {k: float("inf") for k in fns}
   cpu = {k: float("inf") for k in fns}
   for name, fn in fns.items():
-    time.sleep(2.0)
+    time.sleep(pause_s)
     start = time.perf_counter()
     for _ in range(rounds):
       t, c = time.perf_counter(), time.process_time()
@@ -177,7 +181,10 @@ def main(argv=None) -> int:
                       help="timed runs per implementation, the minimum is kept (0: 7 for size a, 3 for size b)")
   parser.add_argument("--budget_s", type=float, default=60.0, help="stop repeating a run after this many seconds")
   parser.add_argument("--markdown", default=None, help="also write the table to this file")
+  parser.add_argument("--smoke", action="store_true", help="a micro model, 2 steps, batch 1 (checks the script runs)")
   args = parser.parse_args(argv)
+  if args.smoke:
+    args.sizes, args.batches, args.rounds = "smoke", "1", 1
 
   import torch
 
@@ -191,7 +198,7 @@ def main(argv=None) -> int:
     for size in args.sizes.split(","):
       ref, ours, n_params = build_pair(size, workdir)
       _, canvas, prompt, _ = SIZES[size]
-      steps = args.steps_a if size == "a" else args.steps_b
+      steps = {"a": args.steps_a, "b": args.steps_b}.get(size, SIZES[size][3])
       vocab = ours.config.vocab_size
       for batch in (int(b) for b in args.batches.split(",")):
         ids = np.random.default_rng(batch).integers(3, vocab - 3, size=(batch, prompt))
@@ -201,7 +208,7 @@ def main(argv=None) -> int:
         fwd_fn, enc_fn = forward_runners(ours, ids, canvas, steps, SamplingConfig().bucket_prompt_length(prompt))
         rounds = args.rounds if args.rounds else (7 if size == "a" else 3)
         best, cpu = minimum_times({"ours": ours_fn, "fwd": fwd_fn, "enc": enc_fn, "ref": ref_fn},
-                                  rounds=rounds, budget_s=args.budget_s)
+                                  rounds=rounds, budget_s=args.budget_s, pause_s=0.0 if args.smoke else 2.0)
         t_ours, t_ref = best["ours"], best["ref"]
         tokens = batch * canvas
         # the split uses CPU seconds (robust to other load on a shared machine)

@@ -24,6 +24,7 @@ results) are exactly those of the unpadded prompt.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,6 +99,7 @@ class _Scalars:
   confidence_threshold: Array
   early_stopping: Array  # [] bool
   canvas_index: Array
+  callback_id: Array  # [] int32, key of this call's callback in `_CALLBACKS`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,7 @@ class _Static:
   has_allowed: bool
   has_structure: bool
   accept_fn: AcceptFn | None
-  callback: Callable[[StepInfo], Any] | None
+  has_callback: bool
   trajectory_steps: int | None  # N when the trajectory is recorded
 
 
@@ -118,6 +120,16 @@ class _Static:
 _CACHE: dict[Any, Callable[..., Any]] = {}
 _CACHE_LOCK = threading.Lock()
 _TRACE_COUNTS = {"encode": 0, "denoise": 0}
+# Step callbacks of the `generate` calls in flight, by id: the compiled loop looks its callback up at run time, so
+# a new callback object does not recompile anything.
+_CALLBACKS: dict[int, Callable[[StepInfo], Any]] = {}
+_CALLBACK_IDS = itertools.count()
+
+
+def _run_callback(callback_id, canvas_index, step, argmax, done) -> None:
+  callback = _CALLBACKS.get(int(callback_id))
+  if callback is not None:
+    callback(StepInfo(int(canvas_index), int(step), np.asarray(argmax), np.asarray(done)))
 
 
 def trace_counts() -> dict[str, int]:
@@ -158,13 +170,6 @@ def _denoise_fn(graphdef: nnx.GraphDef, static: _Static) -> Callable[..., Any]:
 # ---- one canvas ---------------------------------------------------------------------------------------------------
 def _make_denoise(graphdef: nnx.GraphDef, static: _Static) -> Callable[..., Any]:
   """Builds the compiled denoising loop of one canvas."""
-  host_callback = None
-  if static.callback is not None:
-    user_callback = static.callback
-
-    def host_callback(canvas_index, step, argmax, done):
-      user_callback(StepInfo(int(canvas_index), int(step), np.asarray(argmax), np.asarray(done)))
-
   def denoise(state, cache, key, seed_canvas, use_seed, pinned, allowed, structure, frozen, scalars: _Scalars):
     """-> (argmax canvas [B, C], decoder forwards [B], trajectory [N, B, C] or None)."""
     _TRACE_COUNTS["denoise"] += 1
@@ -226,8 +231,8 @@ def _make_denoise(graphdef: nnx.GraphDef, static: _Static) -> Callable[..., Any]
       trajectory = s.trajectory
       if trajectory is not None:
         trajectory = jax.lax.dynamic_update_index_in_dim(trajectory, argmax, scalars.num_steps - s.step, axis=0)
-      if host_callback is not None:
-        jax.debug.callback(host_callback, scalars.canvas_index, s.step, argmax, done)
+      if static.has_callback:
+        jax.debug.callback(_run_callback, scalars.callback_id, scalars.canvas_index, s.step, argmax, done)
       return DenoiseState(step=s.step - 1, key=key, canvas=canvas, argmax=argmax, sc_logits=processed,
                           has_sc=jnp.ones((), bool), done=done, steps=steps, history=history,
                           trajectory=trajectory)
@@ -325,7 +330,7 @@ def generate(
       step, num_steps) -> [B, C] bool` (e.g. `lambda e, l, n, N: entropy_bound.accept_top_k(e, 8)`). It is
       part of the compile-cache key: pass the same function object to reuse the compiled program.
     callback: called as `callback(StepInfo)` after every denoising step (through `jax.debug.callback`; when
-      None nothing is added to the compiled loop).
+      None nothing is added to the compiled loop; any callback reuses the same compiled program).
     return_trajectory: also return every step's argmax canvas in `GenerateOutput.trajectory`.
 
   Returns:
@@ -391,7 +396,7 @@ def generate(
       has_allowed=allowed is not None,
       has_structure=structure is not None,
       accept_fn=accept_fn,
-      callback=callback,
+      has_callback=callback is not None,
       trajectory_steps=steps_n if return_trajectory else None,
   )
   graphdef, state = nnx.split(model)
@@ -418,6 +423,7 @@ def generate(
         confidence_threshold=jnp.asarray(config.confidence_threshold, jnp.float32),
         early_stopping=jnp.asarray(config.early_stopping),
         canvas_index=jnp.asarray(k, jnp.int32),
+        callback_id=jnp.asarray(callback_id, jnp.int32),
     )
 
   zeros_canvas = np.zeros((batch, canvas_len), np.int32)
@@ -430,29 +436,36 @@ def generate(
   key = rng
   new_ids, new_mask = padded_ids, padded_mask
   length = prompt_len
-  for k in range(num_canvases):
-    cache = encode(state, cache, jnp.asarray(new_ids), jnp.asarray(new_mask), jnp.full((batch,), length, jnp.int32))
-    key, canvas_key = jax.random.split(key)
-    has_seed = seeds is not None and (k + 1) * canvas_len <= seeds.shape[1]
-    sl = slice(k * canvas_len, (k + 1) * canvas_len)
-    seed_k = seeds[:, sl].astype(np.int32) if has_seed else zeros_canvas
-    pins_k = pins[:, sl] if (has_seed and pins is not None) else no_pins
-    # with a pad token, rows finished in earlier canvases are frozen (transformers still denoises them but
-    # overwrites the result with pad and does not count their forwards; the output is the same)
-    frozen = finished if pad is not None else np.zeros(batch, bool)
-    argmax, fwd, traj = denoise(state, cache, canvas_key, jnp.asarray(seed_k), jnp.asarray(has_seed),
-                                jnp.asarray(pins_k), allowed_arg, structure_arg, jnp.asarray(frozen), scalars(k))
-    block = np.array(argmax, dtype=np.int32)
-    fwd = np.asarray(fwd) * ~finished  # forwards of rows finished earlier are not counted
-    step_counts.append(fwd)
-    if traj is not None:
-      trajectories.append(traj)
-    block, finished = _finalize_canvas(block, finished, eos, pad)
-    pieces.append(block)
-    if finished.all():
-      break
-    new_ids, new_mask = block, np.ones((batch, canvas_len), bool)
-    length += canvas_len
+  callback_id = next(_CALLBACK_IDS) % (2**31 - 1)
+  if callback is not None:
+    _CALLBACKS[callback_id] = callback
+  try:
+    for k in range(num_canvases):
+      lengths = jnp.full((batch,), length, jnp.int32)
+      cache = encode(state, cache, jnp.asarray(new_ids), jnp.asarray(new_mask), lengths)
+      key, canvas_key = jax.random.split(key)
+      has_seed = seeds is not None and (k + 1) * canvas_len <= seeds.shape[1]
+      sl = slice(k * canvas_len, (k + 1) * canvas_len)
+      seed_k = seeds[:, sl].astype(np.int32) if has_seed else zeros_canvas
+      pins_k = pins[:, sl] if (has_seed and pins is not None) else no_pins
+      # with a pad token, rows finished in earlier canvases are frozen (transformers still denoises them but
+      # overwrites the result with pad and does not count their forwards; the output is the same)
+      frozen = finished if pad is not None else np.zeros(batch, bool)
+      argmax, fwd, traj = denoise(state, cache, canvas_key, jnp.asarray(seed_k), jnp.asarray(has_seed),
+                                  jnp.asarray(pins_k), allowed_arg, structure_arg, jnp.asarray(frozen), scalars(k))
+      block = np.array(argmax, dtype=np.int32)
+      fwd = np.asarray(fwd) * ~finished  # forwards of rows finished earlier are not counted
+      step_counts.append(fwd)
+      if traj is not None:
+        trajectories.append(traj)
+      block, finished = _finalize_canvas(block, finished, eos, pad)
+      pieces.append(block)
+      if finished.all():
+        break
+      new_ids, new_mask = block, np.ones((batch, canvas_len), bool)
+      length += canvas_len
+  finally:
+    _CALLBACKS.pop(callback_id, None)
 
   sequences = np.concatenate(pieces, axis=1)
   steps = np.stack(step_counts, axis=1).astype(np.int32)

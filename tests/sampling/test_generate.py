@@ -212,13 +212,16 @@ def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
     assert len(calls) == steps[:, k].max()
     assert [c.step for c in calls] == list(range(STEPS, STEPS - len(calls), -1))
     np.testing.assert_array_equal(calls[-1].argmax_canvas, traj[k, -1])
-  # a [B, V] mask is the same as the id list
+  # a [B, V] mask is the same as the id list, and another callback object reuses the compiled program
   mask_v = np.zeros((BATCH, VOCAB), bool)
   mask_v[:, allowed] = True
+  traces = gen_mod.trace_counts()
+  calls = []
   again = gen_mod.generate(ours, ids, cfg, rng=jax.random.key(6), attention_mask=mask, seed_canvas=seed,
                            pinned=pinned, allowed_token_ids=mask_v, return_trajectory=True,
-                           callback=steps_seen.append)
+                           callback=lambda info: calls.append(info.step))
   np.testing.assert_array_equal(np.asarray(again.sequences), seqs)
+  assert gen_mod.trace_counts() == traces and len(calls) == len(steps_seen)
 
 
 @pytest.mark.parametrize(

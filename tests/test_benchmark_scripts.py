@@ -1,0 +1,57 @@
+"""Smoke tests of the benchmark scripts: each runs with `--smoke` (a micro config, a couple of steps) and prints both
+throughputs and their ratio. Speed numbers are not checked (the machine is shared); the table's shape is."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("benchmark_train.py", "benchmark_sampler.py")
+_NUMBER = r"[0-9][0-9,]*(?:\.[0-9]+)?"
+
+
+def _table(output: str) -> tuple[list[str], list[list[str]]]:
+  """The last markdown table with an 'ours tok/s' column: (header cells, data rows)."""
+  lines = [line.strip() for line in output.splitlines()]
+  for i in range(len(lines) - 1, -1, -1):
+    if lines[i].startswith("|") and "ours tok/s" in lines[i]:
+      header = [c.strip() for c in lines[i].strip("|").split("|")]
+      rows = []
+      for line in lines[i + 2:]:
+        if not line.startswith("|"):
+          break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+      return header, rows
+  raise AssertionError(f"no table with an 'ours tok/s' column in the output:\n{output[-3000:]}")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke(script):
+  path = os.path.join(ROOT, "scripts", script)
+  env = dict(os.environ)
+  # Compile time dominates a micro model: the same fast-compile XLA options as the rest of the suite (conftest).
+  env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+  env.setdefault("TOKENIZERS_PARALLELISM", "false")
+  proc = subprocess.run([sys.executable, path, "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output[-3000:]
+  header, rows = _table(proc.stdout)
+  assert rows, proc.stdout[-3000:]
+  lower = [h.lower() for h in header]
+  ours = lower.index("ours tok/s")
+  theirs = next(i for i, h in enumerate(lower) if h.endswith("tok/s") and i != ours)
+  ratio = next(i for i, h in enumerate(lower) if h.startswith("ratio") or h in ("speed-up", "torch/ours"))
+  for row in rows:
+    assert len(row) == len(header), (header, row)
+    for i in (ours, theirs):
+      assert re.fullmatch(_NUMBER, row[i]) and float(row[i].replace(",", "")) > 0, (header[i], row)
+    assert re.fullmatch(_NUMBER + "x", row[ratio]) and float(row[ratio][:-1].replace(",", "")) > 0, row
+  if script == "benchmark_train.py":
+    # the two train steps were checked to compute the same loss and gradient norm before timing
+    assert re.search(r"parity, step 0: loss ours \S+ torch \S+", proc.stdout), proc.stdout[-3000:]
