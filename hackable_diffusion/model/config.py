@@ -219,7 +219,12 @@ class ModelConfig:
     head_dim = int(text.get("head_dim", 256))
     kv_heads = int(text.get("num_key_value_heads", 4))
     resolved_types = layer_types or [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
-    global_head_dim, global_kv = int(text.get("global_head_dim", 512)), text.get("num_global_key_value_heads")
+    if "per_layer_config" in text:
+      # transformers applies `global_head_dim` / `num_global_key_value_heads` only when `per_layer_config` is absent;
+      # when present (even empty or null) full layers keep the base shape unless an entry overrides it
+      global_head_dim, global_kv = head_dim, None
+    else:
+      global_head_dim, global_kv = int(text.get("global_head_dim", 512)), text.get("num_global_key_value_heads")
     per_layer = text.get("per_layer_config")
     if per_layer:
       seen: set[tuple[str, Any]] = set()

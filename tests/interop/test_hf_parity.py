@@ -125,6 +125,23 @@ def test_encoding_in_two_blocks_equals_one(pair):
   assert max_abs_diff(_decode(ours, canvas, other), a) > 1e-3
 
 
+def test_per_layer_config_present_keeps_base_shape_on_full_layers(hf_factory):
+  # transformers applies `global_head_dim` only when `per_layer_config` is absent: with an explicit (here empty)
+  # `per_layer_config`, full layers have the sliding layers' head_dim and kv heads. config.json then has no
+  # `global_head_dim` key, so a loader that falls back to the 512 default fails on the first full layer.
+  ref, path = hf_factory("per_layer_config_empty", per_layer_config={})
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    text = json.load(f)["text_config"]
+  assert text["per_layer_config"] == {} and "global_head_dim" not in text
+  assert ref.model.encoder.language_model.layers[1].self_attn.head_dim == 8  # the reference's own full-layer shape
+  ours = hd.load_pretrained(path)
+  assert (ours.config.global_head_dim, ours.config.global_kv_heads) == (8, 2)
+  rng = np.random.default_rng(4)
+  ids, canvas = _ids(rng, 2, 9), _ids(rng, 2, 6)
+  expected = _torch_logits(ref, ids, canvas)
+  assert max_abs_diff(_our_logits(ours, ids, canvas), expected) <= 1e-4
+
+
 def test_bf16_load_close_to_fp32_reference(hf_factory):
   ref, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
   rng = np.random.default_rng(5)
