@@ -6,7 +6,8 @@ setting of transformers' `generate`). Every run decodes the completions, scores 
 records the mean denoising steps per canvas and tokens per forward (REFERENCE §4: "accuracy at 32 / 64 / 96
 denoising steps and with early stopping; mean denoising steps per canvas").
 
-Outputs: `<out_dir>/report_step_{N}.json` and `<out_dir>/accuracy_vs_steps_step_{N}.png`.
+Outputs: `<out_dir>/report_step_{N}.json`, `<out_dir>/accuracy_vs_steps_step_{N}.png` and, for tasks that can
+draw it (Sudoku), `<out_dir>/canvas_step_{N}.png`: the first example's canvas converging step by step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from hackable_diffusion.sampling.generate import generate
 
 REPORT_PATTERN = "report_step_{step}.json"
 PLOT_PATTERN = "accuracy_vs_steps_step_{step}.png"
+CANVAS_PLOT_PATTERN = "canvas_step_{step}.png"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,19 @@ class EvalRun:
 
   name: str
   sampling: SamplingConfig
+  task: Task | None = None  # overrides the evaluation's task (an ablation, e.g. Sudoku without pinned givens)
+  ablation: str | None = None
+
+
+def ablation_runs(eval_cfg: Any, max_new_tokens: int, make_task: Callable[[Mapping[str, Any]], Task]) -> list[EvalRun]:
+  """One fixed-step run per entry of `eval_cfg.ablations` (name -> task-argument overrides), at
+  `eval_cfg.ablation_steps`; `make_task(overrides)` builds the overridden task."""
+  if not eval_cfg.ablations:
+    return []
+  steps = int(eval_cfg.ablation_steps)
+  sampling = eval_runs(eval_cfg, max_new_tokens)[0].sampling.replace(max_denoising_steps=steps, early_stopping=False)
+  return [EvalRun(name=f"steps_{steps}/{name}", sampling=sampling, task=make_task(dict(args)), ablation=name)
+          for name, args in eval_cfg.ablations.items()]
 
 
 def eval_runs(eval_cfg: Any, max_new_tokens: int) -> list[EvalRun]:
@@ -108,6 +123,27 @@ def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int, vocab_
     pins = np.pad(pins, ((0, 0), (0, pad)))
   noise = rng.integers(0, vocab_size, size=ids.shape)
   return np.where(pins, ids, noise).astype(np.int32), pins
+
+
+def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
+                     rng: jax.Array) -> list[str]:
+  """The first example's argmax canvas after every denoising step, decoded (batch 1, the task's sampler hooks).
+  Steps after the row stopped are not repeated: the list has one entry per step the sampler took."""
+  canvas = sampling.canvas_length or model.config.canvas_length
+  num_tokens = -(-sampling.max_new_tokens // canvas) * canvas
+  kwargs: dict[str, Any] = {}
+  seeded = task.seed_canvas(data.examples[:1], tokenizer, num_tokens)
+  if seeded is None and data.records.completion_pinned is not None:
+    seeded = _pinned_from_records(data.records, slice(0, 1), num_tokens, model.config.vocab_size,
+                                  np.random.default_rng([0, 7]))
+  if seeded is not None:
+    kwargs.update(seed_canvas=np.asarray(seeded[0]), pinned=np.asarray(seeded[1]))
+  out = generate(model, data.records.prompt_ids[:1], sampling.replace(max_new_tokens=canvas), rng=rng,
+                 attention_mask=data.records.prompt_mask[:1], allowed_token_ids=task.allowed_token_ids(tokenizer),
+                 return_trajectory=True, **kwargs)
+  taken = int(np.asarray(out.denoising_steps)[0, 0])
+  frames = np.asarray(out.trajectory)[0, :taken, 0]  # [steps, C]
+  return [tokenizer.decode(f) for f in frames]
 
 
 def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
@@ -167,20 +203,29 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
   samples: list[str] = []
   for run in runs:
     t0 = time.perf_counter()
-    texts, stats = generate_texts(model, tokenizer, data, run.sampling, task, batch_size=batch_size, rng=rng)
-    metrics = {k: float(v) for k, v in task.metrics(texts, data.examples).items()}
+    run_task = run.task or task
+    texts, stats = generate_texts(model, tokenizer, data, run.sampling, run_task, batch_size=batch_size, rng=rng)
+    metrics = {k: float(v) for k, v in run_task.metrics(texts, data.examples).items()}
     seconds = time.perf_counter() - t0
     report["runs"].append({"name": run.name, "max_denoising_steps": run.sampling.max_denoising_steps,
-                           "early_stopping": run.sampling.early_stopping, "metrics": metrics, **stats,
-                           "seconds": round(seconds, 3)})
-    samples = texts
+                           "early_stopping": run.sampling.early_stopping, "ablation": run.ablation,
+                           "metrics": metrics, **stats, "seconds": round(seconds, 3)})
+    if run.ablation is None:
+      samples = texts
     if log is not None:
       shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
       log(f"eval {run.name}: {shown}, steps/canvas={stats['mean_denoising_steps']:.1f} ({seconds:.1f}s)")
   report["samples"] = [{"prompt": e.prompt, "target": e.completion, "prediction": p}
                        for e, p in zip(data.examples[:num_samples], samples[:num_samples])]
+  main_runs = [r for r in runs if r.ablation is None]
+  if out_dir is not None and main_runs:
+    # the first example's canvas after every step of the last main run (early stopping by default)
+    run = main_runs[-1]
+    steps = trajectory_texts(model, tokenizer, data, run.sampling, task, rng=jax.random.fold_in(rng, 1_000_003))
+    report["trajectory"] = {"run": run.name, "prompt": data.examples[0].prompt,
+                            "target": data.examples[0].completion, "steps": steps}
   if out_dir is not None:
-    write_report(report, out_dir)
+    write_report(report, out_dir, task=task)
   return report
 
 
@@ -194,8 +239,9 @@ def _json_clean(x: Any) -> Any:
   return x
 
 
-def write_report(report: dict[str, Any], out_dir: str) -> str:
-  """Writes `report_step_{N}.json` and `accuracy_vs_steps_step_{N}.png` into `out_dir`; returns the JSON path."""
+def write_report(report: dict[str, Any], out_dir: str, task: Task | None = None) -> str:
+  """Writes `report_step_{N}.json` and `accuracy_vs_steps_step_{N}.png` into `out_dir`, and
+  `canvas_step_{N}.png` when the report has a trajectory and `task` can draw it; returns the JSON path."""
   os.makedirs(out_dir, exist_ok=True)
   step = report.get("step") or 0
   path = os.path.join(out_dir, REPORT_PATTERN.format(step=step))
@@ -205,6 +251,8 @@ def write_report(report: dict[str, Any], out_dir: str) -> str:
     f.write("\n")
   os.replace(tmp, path)
   plot_report(report, os.path.join(out_dir, PLOT_PATTERN.format(step=step)))
+  if task is not None and report.get("trajectory"):
+    task.plot_trajectory(report["trajectory"], os.path.join(out_dir, CANVAS_PLOT_PATTERN.format(step=step)))
   return path
 
 
@@ -214,8 +262,9 @@ def plot_report(report: dict[str, Any], path: str) -> str:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  fixed = [r for r in report["runs"] if not r["early_stopping"]]
-  early = [r for r in report["runs"] if r["early_stopping"]]
+  fixed = [r for r in report["runs"] if not r["early_stopping"] and not r.get("ablation")]
+  early = [r for r in report["runs"] if r["early_stopping"] and not r.get("ablation")]
+  ablations = [r for r in report["runs"] if r.get("ablation")]
   primary = report["primary_metric"]
   names = [primary] + sorted({k for r in report["runs"] for k, v in r["metrics"].items()
                               if k != primary and v is not None and 0.0 <= v <= 1.0 and "/" not in k})
@@ -231,6 +280,10 @@ def plot_report(report: dict[str, Any], path: str) -> str:
       if name in r["metrics"]:
         ax.plot([r["mean_denoising_steps"]], [r["metrics"][name]], marker="*", markersize=14, color=color,
                 linestyle="none", label=f"{name} (early stopping)" if name == primary else None)
+  for j, r in enumerate(ablations):
+    if r["metrics"].get(primary) is not None:
+      ax.plot([r["max_denoising_steps"]], [r["metrics"][primary]], marker="Xdvs^<>"[j % 7], markersize=9,
+              color="black", linestyle="none", label=f"{primary}, {r['ablation']}")
   ax.set_xlabel("denoising steps per canvas")
   ax.set_ylabel("metric")
   ax.set_title(f"{report.get('task')} @ step {report.get('step')} ({report.get('num_examples')} examples)")
@@ -250,5 +303,6 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
   return lines
 
 
-__all__ = ["EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "eval_runs", "generate_texts",
+__all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "ablation_runs",
+           "eval_runs", "generate_texts", "trajectory_texts",
            "load_eval_data", "plot_report", "run_evaluation", "summary_lines", "write_report"]

@@ -9,7 +9,8 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 - `seed_canvas(records, tokenizer, num_tokens)` -> `(seed_ids [B, num_tokens], pinned [B, num_tokens])` or
   None: canvases that start from known tokens, pinned positions never change (e.g. Sudoku givens);
 - `make_data(out_dir)` -> `{'train': path, 'validation': path}` for tasks that generate their own JSONL
-  (`data.generator` in a config).
+  (`data.generator` in a config);
+- `plot_trajectory(trajectory, path)`: a picture of one example's canvas after every denoising step (optional).
 
 `primary_metric` names the metric plotted against the denoising-step budget. Tasks are looked up by name in
 `TASKS` (values are classes or lazy 'module:attr' strings) or given directly as 'package.module:factory'; the
@@ -53,6 +54,11 @@ class Task:
 
   def seed_canvas(self, records: Sequence[EvalRecord], tokenizer: Any,
                   num_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    return None
+
+  def plot_trajectory(self, trajectory: Mapping[str, Any], path: str) -> str | None:
+    """Draws `trajectory` (`{'prompt', 'target', 'steps': [decoded canvas after each step]}`) into `path`;
+    returns the path, or None when the task has no picture for it (the report still holds the texts)."""
     return None
 
   def make_data(self, out_dir: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,11 @@ class SudokuTask(Task):
       noise[i, :81] = np.where(given, digit_ids[grid], noise[i, :81])
       pinned[i, :81] = given
     return noise, pinned
+
+  def plot_trajectory(self, trajectory: Mapping[str, Any], path: str) -> str | None:
+    from hackable_diffusion.tasks.sudoku.plots import plot_canvas_trajectory  # local import: matplotlib
+
+    return plot_canvas_trajectory(trajectory, path)
 
   # ---- metrics ---------------------------------------------------------------------------------------------------
   def metrics(self, predictions: Sequence[str], records: Sequence[EvalRecord]) -> dict[str, float]:
