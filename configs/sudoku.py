@@ -121,7 +121,21 @@ def get_config() -> ml_collections.ConfigDict:
       confidence_threshold=0.005,
       seed=0,
       num_samples=8,
+      # one extra 32-step run each: without pinning the givens (the canvas starts from noise and every cell may
+      # change) and without restricting sampling to the digits 1-9
+      ablation_steps=32,
+      ablations=ml_collections.ConfigDict(dict(
+          no_pins=dict(pin_givens=False),
+          all_tokens=dict(digits_only=False),
+      )),
   ))
 
   config.lora = ml_collections.ConfigDict(dict(enabled=False))
+
+  # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=1, tensor=1, expert=1,
+      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
+  ))
   return config

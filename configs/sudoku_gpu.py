@@ -1,6 +1,7 @@
 """Sudoku sized for one GPU (e.g. an A100/H100/H200): a larger DiffusionGemma-architecture model, more data, longer.
 
   python -m hackable_diffusion.train --config=configs/sudoku_gpu.py --workdir=runs/sudoku_gpu
+  python -m hackable_diffusion.train --config=configs/sudoku_gpu.py --config.mesh.fsdp=8   # 8 GPUs, sharded
 
 Same recipe as configs/sudoku.py (peer attention structure, pinned givens), with hard puzzles in the data:
 hidden 256, 8 layers, 8 experts top-2 (~10M parameters), 200k puzzles, 20k steps of 256. Not run on this
@@ -114,7 +115,23 @@ def get_config() -> ml_collections.ConfigDict:
       confidence_threshold=0.005,
       seed=0,
       num_samples=8,
+      # one extra 32-step run each: without pinning the givens (the canvas starts from noise and every cell may
+      # change) and without restricting sampling to the digits 1-9
+      ablation_steps=32,
+      ablations=ml_collections.ConfigDict(dict(
+          no_pins=dict(pin_givens=False),
+          all_tokens=dict(digits_only=False),
+      )),
   ))
 
   config.lora = ml_collections.ConfigDict(dict(enabled=False))
+
+  # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
+  # E.g. 8 GPUs, fully sharded data parallel: --config.mesh.fsdp=8 (or data=2, fsdp=4; or fsdp=-1 for all of
+  # them); train.batch_size must be a multiple of data x fsdp x expert.
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=1, tensor=1, expert=1,
+      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
+  ))
   return config

@@ -118,4 +118,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora = ml_collections.ConfigDict(dict(
       enabled=True, rank=8, alpha=16.0, dropout=0.0,
       target_modules=("self_attn.(q|k|v|o)_proj", "mlp.(gate|up|down)_proj"), param_dtype="float32", seed=0))
+
+  # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=1, tensor=1, expert=1,
+      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
+  ))
   return config

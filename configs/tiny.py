@@ -106,4 +106,11 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   config.lora = ml_collections.ConfigDict(dict(enabled=False))
+
+  # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
+  config.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=1, tensor=1, expert=1,
+      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
+  ))
   return config

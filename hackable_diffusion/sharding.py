@@ -304,22 +304,44 @@ def num_batch_shards(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def process_batch_shard(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> tuple[int, int]:
+  """`(index, count)`: this process's devices hold block `index` of `count` equal, contiguous blocks of the batch.
+
+  What a per-process data loader reads (`make_sft_dataset(..., shard_index=index, shard_count=count)`, with
+  `global batch / count` rows per process). One process: `(0, 1)`. Processes whose devices hold the same rows
+  (the batch replicated over hosts, e.g. tensor parallelism across hosts) get the same index and must read the
+  same data.
+  """
+  shards = num_batch_shards(mesh, rules)
+  rows = set()
+  for index in batch_sharding(mesh, rules).addressable_devices_indices_map((shards,)).values():
+    rows.update(range(shards)[index[0]] if index else range(shards))
+  rows = sorted(rows)
+  count = shards // len(rows)
+  if shards % len(rows) or rows != list(range(rows[0], rows[0] + len(rows))) or rows[0] % len(rows):
+    raise ValueError(f"process {jax.process_index()} holds batch rows {rows} of {shards} on mesh {dict(mesh.shape)}, "
+                     "not one aligned contiguous block; order the mesh devices by host")
+  return rows[0] // len(rows), count
+
+
 def shard_batch(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Any:
   """Places a host batch (pytree of `[batch, ...]` arrays) on the mesh, split along the batch dimension.
 
-  Multi-host: each process passes its *own* slice of the global batch (what a per-process data loader yields);
-  the global batch is their concatenation in process order (`jax.make_array_from_process_local_data`).
+  Multi-host: each process passes its *own* block of the global batch (what a per-process data loader yields
+  for `process_batch_shard`); the global batch is their concatenation in block order
+  (`jax.make_array_from_process_local_data`). The global batch must be a multiple of `num_batch_shards`.
   """
   sharding = batch_sharding(mesh, rules)
   shards = num_batch_shards(mesh, rules)
-  processes = jax.process_count()
+  _, blocks = process_batch_shard(mesh, rules) if jax.process_count() > 1 else (0, 1)
 
   def put(x):
     x = np.asarray(x)
-    if x.ndim == 0 or (x.shape[0] * processes) % shards:
-      raise ValueError(f"batch array of shape {x.shape} ({processes} process(es)): the global batch must be a "
-                       f"multiple of {shards} (the batch is split {shards} ways over mesh {dict(mesh.shape)})")
-    return jax.make_array_from_process_local_data(sharding, x)
+    if x.ndim == 0 or (x.shape[0] * blocks) % shards:
+      raise ValueError(f"batch array of shape {x.shape} ({jax.process_count()} process(es)): the global batch "
+                       f"{x.shape[0] * blocks if x.ndim else 0} must be a multiple of {shards} (the batch is split "
+                       f"{shards} ways over mesh {dict(mesh.shape)})")
+    return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * blocks,) + x.shape[1:])
 
   return jax.tree.map(put, batch)
 
@@ -626,7 +648,8 @@ def _read_sharded(tensor: Any, shape: tuple[int, ...], sharding: NamedSharding, 
 __all__ = [
     "MESH_AXES", "LOGICAL_AXIS_RULES", "LORA_TARGETS", "MeshConfig", "MemoryEstimate", "make_mesh",
     "maybe_initialize_distributed", "logical_to_mesh_spec", "variable_axes", "state_shardings", "replicated",
-    "batch_sharding", "num_batch_shards", "shard_batch", "shard_state", "shard_model", "abstract_with_shardings",
-    "activation_sharding", "constrain", "init_train_state_sharded", "make_sharded_train_step", "per_device_bytes",
-    "per_device_param_bytes", "memory_estimate", "memory_table", "load_pretrained_sharded",
+    "batch_sharding", "num_batch_shards", "process_batch_shard", "shard_batch", "shard_state", "shard_model",
+    "abstract_with_shardings", "activation_sharding", "constrain", "init_train_state_sharded",
+    "make_sharded_train_step", "per_device_bytes", "per_device_param_bytes", "memory_estimate", "memory_table",
+    "load_pretrained_sharded",
 ]

@@ -2,7 +2,7 @@
 
 JAX fixes its device count when it initialises, and the test process has long initialised it with one CPU
 device, so these checks run here with 8 fake CPU devices (`--xla_force_host_platform_device_count=8`).
-Usage: `python tests/sharding_worker.py train|misc OUT.json`; writes measurements (numbers, specs) as JSON and
+Usage: `python tests/sharding_worker.py train|misc|trainer OUT.json`; writes measurements (numbers, specs) as JSON and
 lets the test assert on them.
 """
 
@@ -151,6 +151,54 @@ def run_train() -> dict:
   return out
 
 
+# ---- generate(mesh=...) -------------------------------------------------------------------------------------------
+def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
+  """`hd.generate(..., mesh=)` of an unsharded model on 2x2x2x1 == one device, with every batch input (ids, mask,
+  seed canvas, pins, per-row allowed tokens); records what the compiled denoising loop was given."""
+  from hackable_diffusion.sampling import generate as generate_lib
+
+  rng = np.random.default_rng(1)
+  pins = rng.random(seed.shape) < 0.3
+  allowed = np.ones((ids.shape[0], CFG.vocab_size), bool)
+  allowed[0, 5:20] = False  # row 0 may not use these ids
+  allowed[2, 30:] = False
+  kwargs = dict(rng=jax.random.key(1), attention_mask=mask, seed_canvas=seed, pinned=pins, allowed_token_ids=allowed)
+  single = hd.generate(init_model(CFG, 3), ids, sampling, **kwargs)
+  seen: dict = {}
+  original = generate_lib._denoise_fn
+
+  def spy(graphdef, static, mesh=None):  # records the placement of the denoising loop's arguments
+    fn = original(graphdef, static, mesh)
+
+    def call(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, scalars):
+      seen.update(seed=spec(seed_canvas), pinned=spec(pinned), allowed=spec(allowed_arg), frozen=spec(frozen),
+                  cache_valid=spec(cache.valid), cache_key=spec(cache.keys[0]),
+                  embed=spec(state["embed_tokens"][...]))
+      return fn(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, scalars)
+
+    return call
+
+  mesh = mesh_of((2, 2, 2, 1))
+  generate_lib._denoise_fn = spy
+  try:
+    sharded = hd.generate(init_model(CFG, 3), ids, sampling, mesh=mesh, **kwargs)
+  finally:
+    generate_lib._denoise_fn = original
+  try:
+    hd.generate(init_model(CFG, 3), ids[:3], sampling, rng=jax.random.key(1), mesh=mesh)
+    bad = ""
+  except ValueError as e:
+    bad = str(e)
+  return {
+      "equal": bool(np.array_equal(np.asarray(single.sequences), np.asarray(sharded.sequences))),
+      "steps_equal": bool(np.array_equal(np.asarray(single.denoising_steps), np.asarray(sharded.denoising_steps))),
+      "tpf_equal": bool(np.array_equal(np.asarray(single.tokens_per_forward), np.asarray(sharded.tokens_per_forward))),
+      "new_tokens": int(np.asarray(single.sequences).shape[1] - ids.shape[1]),
+      "specs": seen,
+      "bad_batch_error": bad,
+  }
+
+
 # ---- generate, checkpoints, HF loading ---------------------------------------------------------------------------
 def run_misc() -> dict:
   import hackable_diffusion as hd
@@ -179,6 +227,7 @@ def run_misc() -> dict:
       "new_tokens": int(np.asarray(single.sequences).shape[1] - ids.shape[1]),
       "embed_spec": spec(model.embed_tokens[...]),
   }
+  out["generate_mesh"] = run_generate_mesh(hd, ids, mask, seed, sampling)
 
   # a TrainState saved on one mesh restores onto another mesh shape
   tx, _ = make_optimizer(OptimizerConfig(warmup_steps=0))
@@ -239,8 +288,69 @@ def run_misc() -> dict:
   return out
 
 
+# ---- SFTTrainer on a mesh ------------------------------------------------------------------------------------------
+def run_trainer() -> dict:
+  """`SFTTrainer` with `mesh` config sections: 3 steps on data 2 x fsdp 2 x tensor 2, resumed for 2 more on
+  fsdp 4 x tensor 2, against 5 straight steps on one device (no mesh); and a batch the mesh cannot split."""
+  from hackable_diffusion.training import config as config_lib
+  from hackable_diffusion.training import logging as log_lib
+  from hackable_diffusion.training import trainer as trainer_lib
+
+  common = {
+      "train.batch_size": 8, "train.log_every": 1, "train.checkpoint_every": 100, "train.eval_at_end": False,
+      "train.async_checkpointing": False, "data.generator_args.num_train": 64, "data.generator_args.num_validation": 8,
+      "data.prefetch_batches": 0,
+      # as run_train: Adam's update a smooth function of the gradient, and a first step that moves the weights
+      "optimizer.warmup_steps": 0, "optimizer.peak_lr": 1e-3, "optimizer.eps": 1e-3,
+  }
+
+  def config(steps: int, mesh: dict[str, int] | None = None, **extra):
+    over = {**common, "train.steps": steps, **{f"mesh.{k}": v for k, v in (mesh or {}).items()}, **extra}
+    return config_lib.load_config_file("tiny.py", over)
+
+  def losses(workdir: str) -> dict[str, float]:
+    return {str(r["step"]): r["train/loss"] for r in log_lib.read_metrics(workdir)}
+
+  out: dict = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    single, sharded = os.path.join(tmp, "single"), os.path.join(tmp, "sharded")
+    with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:
+      out["single_mesh"] = t.mesh is not None
+      t.train()
+    mesh_a = {"data": 2, "fsdp": 2, "tensor": 2}
+    with trainer_lib.SFTTrainer(config(3, mesh_a), sharded, progress=False) as t:
+      out["a_mesh"] = dict(t.mesh.shape)
+      out["a_embed_spec"] = spec(t.state.params["embed_tokens"][...])
+      t.train()
+      out["a_batch_spec"] = spec(sh.shard_batch(t.train_data[0], t.mesh).completion_ids)
+    out["a_checkpoints"] = sorted(int(d) for d in os.listdir(os.path.join(sharded, "checkpoints")) if d.isdigit())
+    mesh_b = {"data": 1, "fsdp": 4, "tensor": 2}
+    with trainer_lib.SFTTrainer(config(5, mesh_b), sharded, progress=False) as t:
+      out["b_mesh"] = dict(t.mesh.shape)
+      out["b_start_step"] = t.step
+      out["b_embed_spec"] = spec(t.state.params["embed_tokens"][...])
+      mu = [x for path, x in jax.tree_util.tree_leaves_with_path(t.state.opt_state)
+            if "mu" in jax.tree_util.keystr(path) and "q_proj" in jax.tree_util.keystr(path)]
+      out["b_mu_spec"] = spec(mu[0])  # Adam's first moment of layer 0's q_proj kernel
+      t.train()
+      gathered = t._eval_model()  # what evaluation during training runs on: the whole model on one device
+      out["eval_model_devices"] = sorted({len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(gathered))})
+      out["eval_model_max_diff"] = max_diff(nnx.state(gathered), nnx.state(t.model()))
+    with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:  # the 5-step single-device state
+      single_params = jax.device_get(t.state.params)
+    restored = trainer_lib.load_run(sharded)  # and the mesh run's, restored on one device
+    out["final_param_max_diff"] = max_diff(nnx.state(restored.model, nnx.Param), single_params)
+    out["single_losses"], out["sharded_losses"] = losses(single), losses(sharded)
+    try:
+      trainer_lib.SFTTrainer(config(3, mesh_a, **{"train.batch_size": 6}), os.path.join(tmp, "bad"), progress=False)
+      out["bad_batch_error"] = ""
+    except config_lib.ConfigError as e:
+      out["bad_batch_error"] = str(e)
+  return out
+
+
 if __name__ == "__main__":
   what, path = sys.argv[1], sys.argv[2]
-  result = {"train": run_train, "misc": run_misc}[what]()
+  result = {"train": run_train, "misc": run_misc, "trainer": run_trainer}[what]()
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)

@@ -1,17 +1,19 @@
 """Sharding: mesh config, logical-axis rules, memory arithmetic, and (in subprocesses with 8 fake CPU devices)
-sharded training == one device, compile-once, per-device bytes, sharded generate, cross-mesh checkpoint restore
-and HF checkpoints loaded straight into shards.
+sharded training == one device, compile-once, per-device bytes, sharded generate (`generate(mesh=)`),
+cross-mesh checkpoint restore, HF checkpoints loaded straight into shards, and `SFTTrainer` with a `mesh` config
+section (== one device, resumed on another mesh).
 
 The multi-device checks run in `tests/sharding_worker.py` because JAX fixes its device count when it first
-initialises, which other test modules in this process have already done with one device. The two workers run in
-parallel (started by one module fixture) and report numbers as JSON; the assertions live here.
+initialises, which other test modules in this process have already done with one device. The three workers run
+in parallel (started by one module fixture) and report numbers as JSON; the assertions live here.
 
 Tolerances (float32): a sharded step computes the same sums in a different order (per-shard partial sums of the
 batch mean and of every matmul contracting a sharded axis, then an all-reduce), so results differ by rounding
 only: losses and gradient norms agree to 1e-5 relative, parameters and Adam moments to 1e-6 absolute (params are
 O(1), so ~8 float32 ulps; the step's own update is ~2e-3). Adam's eps is 1e-3 in the worker so its update is a
 smooth function of the gradient (with eps=1e-8 the first update is lr * sign(g), and a gradient within rounding
-of zero could flip sign between reduction orders).
+of zero could flip sign between reduction orders). The trainer runs (5 steps, two meshes) use the same settings
+and tolerances: losses 1e-5 relative, final parameters 1e-6 absolute.
 """
 
 from __future__ import annotations
@@ -132,6 +134,43 @@ def test_distributed_is_opt_in(monkeypatch):
     sh.maybe_initialize_distributed(sh.MeshConfig())
 
 
+def test_mesh_config_section(monkeypatch):
+  """The `mesh` section of experiment configs: default = no mesh; CLI-style overrides; one-line errors."""
+  from hackable_diffusion.training import config as config_lib
+  from hackable_diffusion.training import trainer as trainer_lib
+
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  for path in sorted(os.listdir(config_lib.CONFIGS_DIR)):  # every config file has the section (so --config.mesh.*)
+    if path.endswith(".py"):
+      raw = config_lib.load_config_file(path)
+      assert dict(raw.mesh) == dict(data=1, fsdp=1, tensor=1, expert=1, coordinator_address="", num_processes=0,
+                                    process_id=-1, auto_distributed=False), path
+  cfg = config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("tiny.py"))
+  assert not cfg.mesh.enabled and trainer_lib.make_run_mesh(cfg) is None  # default: the one-device path
+  del_mesh = config_lib.load_config_file("tiny.py").to_dict()
+  del del_mesh["mesh"]  # configs written before the section existed (a workdir's config.json)
+  assert config_lib.ExperimentConfig.from_config_dict(del_mesh).mesh == cfg.mesh
+  gpu = config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("sudoku_gpu.py", {"mesh.fsdp": 8}))
+  assert gpu.mesh.enabled and gpu.mesh.mesh_config() == sh.MeshConfig(data=1, fsdp=8)
+  multi = config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(
+      "tiny.py", {"mesh.data": -1, "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
+                  "mesh.process_id": 1}))
+  assert multi.mesh.mesh_config() == sh.MeshConfig(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+  with pytest.raises(config_lib.ConfigError, match=r"^mesh.tensor=0; expected a positive integer or -1"):
+    config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("tiny.py", {"mesh.tensor": 0}))
+  too_big = config_lib.load_config_file("tiny.py", {"mesh.fsdp": 2 * jax.device_count()})
+  with pytest.raises(config_lib.ConfigError, match=r"^mesh .* devices but .* \(jax.device_count\(\)=\d+\)"):
+    trainer_lib.make_run_mesh(config_lib.ExperimentConfig.from_config_dict(too_big))
+  with pytest.raises(config_lib.ConfigError, match=r"unknown config key --config.mesh.fspd"):
+    config_lib.load_config_file("tiny.py", {"mesh.fspd": 2})
+
+
+def test_process_batch_shard_on_one_process():
+  mesh = sh.make_mesh()
+  assert sh.process_batch_shard(mesh) == (0, 1)
+
+
 # ---- rules ------------------------------------------------------------------------------------------------------
 def test_logical_rules():
   P = jax.sharding.PartitionSpec
@@ -232,12 +271,12 @@ def test_scaling_doc_table_is_current():
 # ---- multi-device: subprocess workers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
-  """Runs both workers in parallel; returns {'train': ..., 'misc': ...} (JSON measurements)."""
+  """Runs the workers in parallel; returns {'train': ..., 'misc': ..., 'trainer': ...} (JSON measurements)."""
   tmp = tmp_path_factory.mktemp("sharding")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
   procs = {}
-  for what in ("train", "misc"):
+  for what in ("train", "misc", "trainer"):
     out = str(tmp / f"{what}.json")
     procs[what] = (subprocess.Popen([sys.executable, WORKER, what, out], env=env, cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
@@ -339,3 +378,59 @@ def test_hf_checkpoint_loads_straight_into_shards(worker_results):
   assert h["max_diff"] == 0.0 and h["bf16_max_diff"] == 0.0 and h["bf16_dtype"] == "bfloat16"
   assert h["shardings_match"]
   assert h["q_proj_spec"] == ["fsdp", "tensor"] and h["experts_spec"] == ["expert", "tensor", "fsdp"]
+
+
+def test_generate_mesh_argument_equals_one_device(worker_results):
+  """`generate(model, ..., mesh=)` of an unsharded model: every batch input split over data x fsdp, the weights
+  placed by the rules, and the same sequences as one device (argmax sampling, seed canvas, pins, per-row allowed
+  tokens)."""
+  g = _get(worker_results, "misc")["generate_mesh"]
+  assert g["equal"] and g["steps_equal"] and g["tpf_equal"]
+  assert g["new_tokens"] == 2 * TINY.canvas_length
+  batch = [["data", "fsdp"]]
+  specs = g["specs"]
+  assert {k: specs[k] for k in ("seed", "pinned", "allowed", "frozen", "cache_valid")} == dict.fromkeys(
+      ("seed", "pinned", "allowed", "frozen", "cache_valid"), batch)
+  assert specs["cache_key"][0] == batch[0]
+  assert specs["embed"] == ["tensor", "fsdp"]
+
+
+def test_generate_mesh_rejects_a_batch_it_cannot_split(worker_results):
+  msg = _get(worker_results, "misc")["generate_mesh"]["bad_batch_error"]
+  assert "batch of 3 rows is not divisible by the 4 batch shards" in msg and "\n" not in msg
+
+
+def test_trainer_on_a_mesh_equals_one_device(worker_results):
+  """SFTTrainer with `mesh.data=2, mesh.fsdp=2, mesh.tensor=2`: the state is sharded and the per-step losses are
+  those of the same config on one device (1e-5 relative; see the module docstring)."""
+  t = _get(worker_results, "trainer")
+  assert t["single_mesh"] is False  # the default config: no mesh
+  assert t["a_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+  assert t["a_embed_spec"] == ["tensor", "fsdp"] and t["a_batch_spec"] == [["data", "fsdp"]]
+  single, sharded = t["single_losses"], t["sharded_losses"]
+  assert sorted(single, key=int) == sorted(sharded, key=int) == ["1", "2", "3", "4", "5"]
+  for step in ("1", "2", "3"):
+    np.testing.assert_allclose(sharded[step], single[step], rtol=1e-5)
+  assert len(set(single.values())) == 5  # the steps really trained (different batches, moving weights)
+
+
+def test_trainer_checkpoint_resumes_on_another_mesh(worker_results):
+  """The step-3 checkpoint of the 2x2x2 run restores onto fsdp 4 x tensor 2 and continues: steps 4-5 and the final
+  parameters match 5 straight steps on one device."""
+  t = _get(worker_results, "trainer")
+  assert t["a_checkpoints"] == [3] and t["b_start_step"] == 3
+  assert t["b_mesh"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+  assert t["b_embed_spec"] == ["tensor", "fsdp"] and t["b_mu_spec"] == ["fsdp", "tensor"]
+  for step in ("4", "5"):
+    np.testing.assert_allclose(t["sharded_losses"][step], t["single_losses"][step], rtol=1e-5)
+  assert t["final_param_max_diff"] <= 1e-6, t["final_param_max_diff"]
+
+
+def test_trainer_evaluates_on_the_gathered_model(worker_results):
+  t = _get(worker_results, "trainer")
+  assert t["eval_model_devices"] == [1] and t["eval_model_max_diff"] == 0.0
+
+
+def test_trainer_rejects_a_batch_the_mesh_cannot_split(worker_results):
+  msg = _get(worker_results, "trainer")["bad_batch_error"]
+  assert msg.startswith("train.batch_size=6 is not divisible by the 4 batch shards of the mesh") and "\n" not in msg

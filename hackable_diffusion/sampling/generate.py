@@ -19,10 +19,14 @@ round trip per step). Compiled programs are cached per (model graph, static opti
 prompts are padded to a length bucket so that one program serves many prompt lengths. The bucket padding goes
 *after* the prompt with the cache length rewound to the true prompt length, so positions (and therefore
 results) are exactly those of the unpadded prompt.
+
+With `mesh=` the batch is split over the mesh's batch axes (data x fsdp x expert) and the parameters are placed
+by the logical-axis rules of `hackable_diffusion.sharding`; the sequences are the same as on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -34,7 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.sampling import entropy_bound as eb
 from hackable_diffusion.sampling.config import SamplingConfig
 
@@ -151,7 +157,7 @@ def _cached(key: Any, build: Callable[[], Callable[..., Any]]) -> Callable[..., 
     return fn
 
 
-def _encode_fn(graphdef: nnx.GraphDef) -> Callable[..., Any]:
+def _encode_fn(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Callable[..., Any]:
   """(state, cache, ids [B, L], mask [B, L], length [B]) -> cache with the ids appended, length rewound."""
 
   def encode(state, cache, ids, mask, length):
@@ -160,11 +166,14 @@ def _encode_fn(graphdef: nnx.GraphDef) -> Callable[..., Any]:
     _, cache = model.encode(ids, cache, mask)
     return cache.replace(length=length)  # drops the bucket padding written after the real tokens
 
-  return _cached(("encode", graphdef), lambda: jax.jit(encode, donate_argnums=(1,)))
+  # a mesh gets its own program: it is traced under `activation_sharding(mesh)` (constraints for that mesh)
+  key = ("encode", graphdef) if mesh is None else ("encode", graphdef, mesh)
+  return _cached(key, lambda: jax.jit(encode, donate_argnums=(1,)))
 
 
-def _denoise_fn(graphdef: nnx.GraphDef, static: _Static) -> Callable[..., Any]:
-  return _cached(("denoise", graphdef, static), lambda: jax.jit(_make_denoise(graphdef, static)))
+def _denoise_fn(graphdef: nnx.GraphDef, static: _Static, mesh: Mesh | None = None) -> Callable[..., Any]:
+  key = ("denoise", graphdef, static) if mesh is None else ("denoise", graphdef, static, mesh)
+  return _cached(key, lambda: jax.jit(_make_denoise(graphdef, static)))
 
 
 # ---- one canvas ---------------------------------------------------------------------------------------------------
@@ -310,6 +319,7 @@ def generate(
     accept_fn: AcceptFn | None = None,
     callback: Callable[[StepInfo], Any] | None = None,
     return_trajectory: bool = False,
+    mesh: Mesh | None = None,
 ) -> GenerateOutput:
   """Samples `config.max_new_tokens` tokens (rounded up to whole canvases) after `input_ids`.
 
@@ -332,6 +342,11 @@ def generate(
     callback: called as `callback(StepInfo)` after every denoising step (through `jax.debug.callback`; when
       None nothing is added to the compiled loop; any callback reuses the same compiled program).
     return_trajectory: also return every step's argmax canvas in `GenerateOutput.trajectory`.
+    mesh: a `jax.sharding.Mesh` (`sharding.make_mesh`): the batch inputs (ids, masks, seed canvas, pins, per-row
+      allowed tokens) and the KV cache are split over its batch axes (data x fsdp x expert; the batch must be a
+      multiple of their size), the parameters placed by the logical-axis rules (already sharded ones, e.g. by
+      `sharding.shard_model`, stay put). Multi-host: every process passes the same whole batch; every process
+      gets the whole output. None: one device.
 
   Returns:
     A `GenerateOutput` (see there).
@@ -400,8 +415,11 @@ def generate(
       trajectory_steps=steps_n if return_trajectory else None,
   )
   graphdef, state = nnx.split(model)
-  encode = _encode_fn(graphdef)
-  denoise = _denoise_fn(graphdef, static)
+  encode = _encode_fn(graphdef, mesh)
+  denoise = _denoise_fn(graphdef, static, mesh)
+  place, to_host = _placement(mesh, batch)
+  if mesh is not None:
+    state = jax.device_put(state, sharding_lib.state_shardings(mesh, state))
 
   # The prompt is padded *after* its real tokens up to the bucket length; the encoder writes those slots as
   # padding and the cache length is rewound to `prompt_len`, so the next canvas overwrites them and positions are
@@ -413,6 +431,8 @@ def generate(
   padded_mask[:, :prompt_len] = mask
   capacity = bucket + (num_canvases - 1) * canvas_len
   cache = model.init_cache(batch, capacity)
+  if mesh is not None:  # every cache array is [batch, ...]
+    cache = place(cache)
 
   def scalars(k: int) -> _Scalars:
     return _Scalars(
@@ -428,21 +448,26 @@ def generate(
 
   zeros_canvas = np.zeros((batch, canvas_len), np.int32)
   no_pins = np.zeros((batch, canvas_len), bool)
-  allowed_arg = jnp.asarray(allowed) if allowed is not None else jnp.ones((1, 1), bool)
+  allowed_arg = place(allowed) if allowed is not None else jnp.ones((1, 1), bool)
   structure_arg = structure if structure is not None else jnp.ones((1, 1, 1, 1), bool)
   finished = np.zeros(batch, bool)
   pieces = [ids.astype(np.int32)]
   step_counts, trajectories = [], []
-  key = rng
+  key = rng if mesh is None else jax.device_put(rng, sharding_lib.replicated(mesh))
   new_ids, new_mask = padded_ids, padded_mask
   length = prompt_len
   callback_id = next(_CALLBACK_IDS) % (2**31 - 1)
   if callback is not None:
     _CALLBACKS[callback_id] = callback
+
+  def activations():  # traced under it, the model's `sharding.constrain` calls pin activations to the mesh
+    return sharding_lib.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+
   try:
     for k in range(num_canvases):
-      lengths = jnp.full((batch,), length, jnp.int32)
-      cache = encode(state, cache, jnp.asarray(new_ids), jnp.asarray(new_mask), lengths)
+      lengths = place(jnp.full((batch,), length, jnp.int32))
+      with activations():
+        cache = encode(state, cache, place(new_ids), place(new_mask), lengths)
       key, canvas_key = jax.random.split(key)
       has_seed = seeds is not None and (k + 1) * canvas_len <= seeds.shape[1]
       sl = slice(k * canvas_len, (k + 1) * canvas_len)
@@ -451,13 +476,14 @@ def generate(
       # with a pad token, rows finished in earlier canvases are frozen (transformers still denoises them but
       # overwrites the result with pad and does not count their forwards; the output is the same)
       frozen = finished if pad is not None else np.zeros(batch, bool)
-      argmax, fwd, traj = denoise(state, cache, canvas_key, jnp.asarray(seed_k), jnp.asarray(has_seed),
-                                  jnp.asarray(pins_k), allowed_arg, structure_arg, jnp.asarray(frozen), scalars(k))
-      block = np.array(argmax, dtype=np.int32)
-      fwd = np.asarray(fwd) * ~finished  # forwards of rows finished earlier are not counted
+      with activations():
+        argmax, fwd, traj = denoise(state, cache, canvas_key, place(seed_k), jnp.asarray(has_seed), place(pins_k),
+                                    allowed_arg, structure_arg, place(frozen), scalars(k))
+      block = np.array(to_host(argmax), dtype=np.int32)
+      fwd = np.asarray(to_host(fwd)) * ~finished  # forwards of rows finished earlier are not counted
       step_counts.append(fwd)
       if traj is not None:
-        trajectories.append(traj)
+        trajectories.append(traj if mesh is None else jnp.asarray(to_host(traj)))
       block, finished = _finalize_canvas(block, finished, eos, pad)
       pieces.append(block)
       if finished.all():
@@ -478,6 +504,32 @@ def generate(
       denoising_steps=jnp.asarray(steps),
       trajectory=jnp.stack(trajectories) if trajectories else None,
   )
+
+
+def _placement(mesh: Mesh | None, batch: int) -> tuple[Callable[[Any], Any], Callable[[Array], Any]]:
+  """`(place, to_host)`: puts a `[batch, ...]` array (or pytree) on the device(s), and reads a result back.
+
+  One device: `jnp.asarray` and the identity. A mesh: split along the batch over its batch axes, and results
+  gathered from every process.
+  """
+  if mesh is None:
+    return jnp.asarray, lambda x: x
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh (see sharding.make_mesh), got {type(mesh).__name__}")
+  shards = sharding_lib.num_batch_shards(mesh)
+  if batch % shards:
+    raise ValueError(f"generate: batch of {batch} rows is not divisible by the {shards} batch shards of mesh "
+                     f"{dict(mesh.shape)} (data x fsdp x expert); pad the batch to a multiple of {shards}")
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+
+  def to_host(x: Array) -> Any:
+    if x.is_fully_addressable:
+      return x
+    from jax.experimental import multihost_utils  # local: multi-host only
+
+    return multihost_utils.process_allgather(x, tiled=True)
+
+  return (lambda tree: jax.device_put(tree, batch_sharding)), to_host
 
 
 def _finalize_canvas(block: np.ndarray, finished: np.ndarray, eos: np.ndarray,

@@ -12,6 +12,7 @@ turns it into frozen dataclasses, rejecting unknown keys with a one-line `Config
   train      steps, batch_size, grad_accum_steps, seed, log_every, checkpoint_every, keep_checkpoints, eval_every
   eval       task (+ task_args), split, num_examples, batch_size, step_budgets, early_stopping_steps, sampler knobs
   lora       enabled (the LoRA section; its other keys belong to hackable_diffusion.lora)
+  mesh       data, fsdp, tensor, expert (device mesh; all 1 = one device), multi-host coordinator settings
 
 CLIs parse `--config=FILE` with absl `config_flags.DEFINE_config_file`; `make_flags_parser` resolves a bare file
 name into `configs/`, checks `--config.a.b=...` keys before absl sees them, and `run_cli` turns the project's
@@ -32,6 +33,7 @@ from typing import Any
 
 import ml_collections
 
+from hackable_diffusion import sharding
 from hackable_diffusion.data.sft import DataError
 from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.interop.hf import CheckpointError
@@ -40,7 +42,7 @@ from hackable_diffusion.training.optimizer import OptimizerConfig
 
 CONFIG_FILENAME = "config.json"
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora")
+SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora", "mesh")
 
 
 class TrainingError(ValueError):
@@ -182,6 +184,8 @@ class EvalSection:
   split: 'validation' or 'train'. num_examples: examples generated (the first ones of the split).
   early_stopping_steps: the step cap of the early-stopping run. max_new_tokens: 0 = the data's completion
   capacity (max_canvases * canvas_length). The sampler knobs mean what they mean in `hd.SamplingConfig`.
+  ablations: name -> task-argument overrides, each evaluated once at `ablation_steps` (fixed steps), e.g.
+  `{'no_pins': {'pin_givens': False}}` reports Sudoku without pinning the givens.
   """
 
   task: str = ""
@@ -199,9 +203,16 @@ class EvalSection:
   confidence_threshold: float = 0.005
   seed: int = 0
   num_samples: int = 8
+  ablation_steps: int = 0
+  ablations: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     object.__setattr__(self, "step_budgets", tuple(self.step_budgets))
+    for name, args in self.ablations.items():
+      if not hasattr(args, "items"):
+        raise ConfigError(f"eval.ablations.{name}={args!r}; expected a mapping of task arguments to override")
+    if self.ablations and not (_is_int(self.ablation_steps) and self.ablation_steps > 0):
+      raise ConfigError(f"eval.ablation_steps={self.ablation_steps!r}; expected a positive integer with eval.ablations")
     for name in ("num_examples", "batch_size", "early_stopping_steps"):
       _positive_int("eval", name, getattr(self, name))
     for name in ("max_new_tokens", "num_samples", "stability_threshold"):
@@ -217,6 +228,51 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection:
+  """The device mesh of a sharded run (`hackable_diffusion.sharding`, docs/scaling.md); the fields of
+  `sharding.MeshConfig`, with config-file friendly "unset" values.
+
+  data, fsdp, tensor, expert: mesh axis sizes; -1 on one axis = all remaining devices. All 1 (the default) means
+    no mesh: the run uses one device, exactly as without this section.
+  coordinator_address, num_processes, process_id: join a multi-host job (one process per host); '' / 0 / -1 =
+    take it from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID.
+  auto_distributed: let JAX detect the cluster (Cloud TPU pods, SLURM, Open MPI) instead.
+  """
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+  expert: int = 1
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  auto_distributed: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.coordinator_address, str):
+      raise ConfigError(f"mesh.coordinator_address={self.coordinator_address!r}; expected a 'host:port' string "
+                        "('' = $JAX_COORDINATOR_ADDRESS)")
+    _positive_int("mesh", "num_processes", self.num_processes, allow_zero=True)
+    if not _is_int(self.process_id) or self.process_id < -1:
+      raise ConfigError(f"mesh.process_id={self.process_id!r}; expected an integer >= 0 (-1 = $JAX_PROCESS_ID)")
+    if not isinstance(self.auto_distributed, bool):
+      raise ConfigError(f"mesh.auto_distributed={self.auto_distributed!r}; expected a bool")
+    self.mesh_config()  # axis sizes: MeshConfig's one-line errors ("mesh.fsdp=0; ...")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the config asks for a mesh (any axis other than 1) or for a multi-host job."""
+    return (any(getattr(self, a) != 1 for a in sharding.MESH_AXES) or bool(self.coordinator_address)
+            or self.num_processes > 1 or self.auto_distributed)
+
+  def mesh_config(self) -> sharding.MeshConfig:
+    return sharding.MeshConfig(
+        data=self.data, fsdp=self.fsdp, tensor=self.tensor, expert=self.expert,
+        coordinator_address=self.coordinator_address or None, num_processes=self.num_processes or None,
+        process_id=None if self.process_id < 0 else self.process_id, auto_distributed=self.auto_distributed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
   """Every section of an experiment, typed and validated. `raw` is the resolved config as a plain dict."""
 
@@ -228,6 +284,7 @@ class ExperimentConfig:
   train: TrainSection
   eval: EvalSection
   lora: Mapping[str, Any]
+  mesh: MeshSection = MeshSection()
   raw: Mapping[str, Any]
 
   @classmethod
@@ -251,6 +308,7 @@ class ExperimentConfig:
         train=_build(TrainSection, "train", sec["train"]),
         eval=_build(EvalSection, "eval", sec["eval"]),
         lora=lora,
+        mesh=_build(MeshSection, "mesh", sec["mesh"]),
         raw=raw,
     )
 
@@ -531,7 +589,7 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
 
 
 __all__ = [
-    "CONFIG_FILENAME", "ConfigError", "DataSection", "EvalSection", "ExperimentConfig", "ModelSection",
+    "CONFIG_FILENAME", "ConfigError", "DataSection", "EvalSection", "ExperimentConfig", "MeshSection", "ModelSection",
     "TokenizerSection", "TrainSection", "TrainingError", "USER_ERRORS", "apply_overrides", "check_override_keys",
     "config_from_json", "config_to_dict", "load_config_file", "make_flags_parser", "prepare_argv",
     "resolve_config_path", "run_cli", "workdir_config", "write_config_json",

@@ -11,6 +11,14 @@ step in `training/step.py`, the optimizer in `training/optimizer.py`. This modul
 Exact resume: step `s` uses `jax.random.fold_in(key(seed), s)` and the batch the grain iterator yields after
 the state stored with the checkpoint, so N straight steps and N/2 + resume + N/2 give the same parameters.
 
+Sharded runs (the `mesh` section, see docs/scaling.md): the trainer joins the multi-host job first (when one
+is configured), builds the mesh, creates or restores the train state directly in its shards, places each batch
+with `sharding.shard_batch` (every process reads its own block of the global `train.batch_size`), and runs
+`sharding.make_sharded_train_step`. Checkpoints hold the sharded state and restore onto whatever mesh the
+resuming run has. Evaluation during training gathers the model onto one device per process (every device must
+fit the whole model for it; set `train.eval_every=0` and `train.eval_at_end=False` otherwise) and runs as on one
+device. Only process 0 writes the config, tokenizer, metrics, TensorBoard events and evaluation reports.
+
 Non-finite loss: the step leaves the state unchanged when the loss or gradient is not finite and reports
 `finite=False`; the trainer reads that flag every step (one scalar device->host read, which serialises host and
 device work but costs little next to a step), saves the unchanged (last good) state as a checkpoint, and stops
@@ -32,7 +40,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.sharding import Mesh
 
+from hackable_diffusion import sharding
 from hackable_diffusion.data.sft import DataError, SFTDataConfig, make_sft_dataset
 from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, train_tokenizer
 from hackable_diffusion.evaluation import loop as eval_loop
@@ -192,10 +202,12 @@ def apply_lora(cfg: ExperimentConfig, model: DiffusionGemma) -> tuple[nnx.Module
   return from_config(model, dict(cfg.lora))
 
 
-def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, abstract: bool = False) -> tuple[nnx.Module, Any]:
+def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, abstract: bool = False,
+                mesh: Mesh | None = None) -> tuple[nnx.Module, Any]:
   """The network to train (fresh init from the preset or `hd.load_pretrained`), LoRA-wrapped if configured.
 
-  `abstract=True` builds shapes only (`nnx.eval_shape`), for restoring a checkpoint.
+  `abstract=True` builds shapes only (`nnx.eval_shape`), for restoring a checkpoint. `mesh`: a HF checkpoint is
+  read straight into its shards (`sharding.load_pretrained_sharded`); other weights are built on one device.
   """
   if abstract:
     trainable = []
@@ -214,10 +226,47 @@ def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, abstract: b
       model = lora_lib.merge(model)
   elif cfg.model.checkpoint:
     overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
-    model = load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, **overrides)
+    if mesh is None:
+      model = load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, **overrides)
+    else:
+      model = sharding.load_pretrained_sharded(cfg.model.checkpoint, mesh, cfg.model.dtype, **overrides)
   else:
     model = init_model(model_config, seed=cfg.train.seed)
   return apply_lora(cfg, model)
+
+
+def make_run_mesh(cfg: ExperimentConfig) -> Mesh | None:
+  """The run's device mesh, or None for the plain one-device path (the `mesh` section all 1, single process).
+
+  Joins a multi-host job first when one is configured (`mesh.coordinator_address` / `$JAX_COORDINATOR_ADDRESS`
+  or `mesh.auto_distributed`), so call it before any other JAX call of the process.
+  """
+  mesh_cfg = cfg.mesh.mesh_config()
+  try:
+    distributed = sharding.maybe_initialize_distributed(mesh_cfg)
+    if not (cfg.mesh.enabled or distributed):
+      return None
+    return sharding.make_mesh(mesh_cfg)
+  except ValueError as e:
+    raise ConfigError(" ".join(str(e).split())) from None
+
+
+def data_shard(cfg: ExperimentConfig, mesh: Mesh | None) -> tuple[int, int, int]:
+  """`(shard_index, shard_count, batch_size)` of this process's data loader.
+
+  Without a mesh: every process reads shard `jax.process_index()` of `jax.process_count()` with
+  `train.batch_size`. With one: `train.batch_size` is the global batch, split over the mesh's batch axes
+  (data x fsdp x expert, which it must divide), and the process reads the block of rows its devices hold.
+  """
+  if mesh is None:
+    return jax.process_index(), jax.process_count(), cfg.train.batch_size
+  batch = cfg.train.batch_size
+  shards = sharding.num_batch_shards(mesh)
+  if batch % shards:
+    raise ConfigError(f"train.batch_size={batch} is not divisible by the {shards} batch shards of the mesh "
+                      f"(data x fsdp x expert of {dict(mesh.shape)}); use a multiple of {shards}")
+  index, count = sharding.process_batch_shard(mesh)
+  return index, count, batch // count
 
 
 def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str, *, batch_size: int,
@@ -235,13 +284,16 @@ def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str,
     raise ConfigError(f"data: {e}") from None
 
 
-def eval_task(cfg: ExperimentConfig) -> Task:
-  """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task)."""
+def eval_task(cfg: ExperimentConfig, overrides: Mapping[str, Any] | None = None) -> Task:
+  """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task); `overrides`
+  replace some of its arguments (an ablation)."""
   if cfg.eval.task:
-    return get_task(cfg.eval.task, cfg.eval.task_args)
-  if cfg.data.generator:
-    return get_task(cfg.data.generator, cfg.data.generator_args)
-  return get_task("text", cfg.eval.task_args)
+    name, args = cfg.eval.task, cfg.eval.task_args
+  elif cfg.data.generator:
+    name, args = cfg.data.generator, cfg.data.generator_args
+  else:
+    name, args = "text", cfg.eval.task_args
+  return get_task(name, {**dict(args), **dict(overrides or {})})
 
 
 def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: Tokenizer,
@@ -262,6 +314,7 @@ def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data
   """Runs the configured evaluation (every step budget + early stopping) and writes the report/plot."""
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
   runs = eval_loop.eval_runs(cfg.eval, max_new)
+  runs += eval_loop.ablation_runs(cfg.eval, max_new, lambda overrides: eval_task(cfg, overrides))
   return eval_loop.run_evaluation(model, tokenizer, data, eval_task(cfg), runs, batch_size=cfg.eval.batch_size,
                                   seed=cfg.eval.seed, step=step, out_dir=out_dir, num_samples=cfg.eval.num_samples,
                                   log=log)
@@ -307,22 +360,46 @@ def load_run(workdir: str, config: ExperimentConfig | ml_collections.ConfigDict 
 
 
 # ---- compiled steps, shared by trainers of the same model/optimizer/loss ----------------------------------------
-_STEP_CACHE: dict[Any, tuple[Any, Callable, Callable]] = {}
+_STEP_CACHE: dict[Any, tuple[Any, Callable, Callable, Any]] = {}
 _STEP_CACHE_SIZE = 4
 
 
-def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> tuple[Any, Callable, Callable]:
-  """(tx, lr schedule, jitted train step), memoised so that a second trainer in the same process (a resumed run,
-  a notebook re-run) reuses the compiled step instead of compiling it again."""
-  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps)
+def _abstract_state(params: nnx.State, rest: nnx.State | None, tx: Any) -> TrainState:
+  """The `TrainState` of `params` / `rest` (arrays or shapes) as shapes, optimizer state included."""
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
+                    opt_state=jax.eval_shape(tx.init, params))
+
+
+def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, mesh: Mesh | None = None,
+                        params: nnx.State | None = None,
+                        rest: nnx.State | None = None) -> tuple[Any, Callable, Callable, Any]:
+  """(tx, lr schedule, jitted train step, state shardings), memoised so that a second trainer in the same process
+  (a resumed run, a notebook re-run) reuses the compiled step instead of compiling it again.
+
+  With `mesh`: the step of `sharding.make_sharded_train_step` and the `TrainState` shardings it expects
+  (computed from `params` / `rest`, arrays or shapes); without: the one-device step and None.
+  """
+  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps, mesh)
   if key not in _STEP_CACHE:
     tx, schedule = make_optimizer(cfg.optimizer)
-    step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
-                           lr_schedule=schedule)
+    if mesh is None:
+      shardings = None
+      step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
+                             lr_schedule=schedule)
+    else:
+      shardings = sharding.state_shardings(mesh, _abstract_state(params, rest, tx))
+      step = sharding.make_sharded_train_step(graphdef, tx, cfg.diffusion, mesh, None, shardings=shardings,
+                                              grad_accum_steps=cfg.train.grad_accum_steps, lr_schedule=schedule)
     while len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
       _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-    _STEP_CACHE[key] = (tx, schedule, step)
+    _STEP_CACHE[key] = (tx, schedule, step, shardings)
   return _STEP_CACHE[key]
+
+
+def _gather_to_one_device(tree: Any, mesh: Mesh) -> Any:
+  """Every array of a sharded tree, whole, on this process's first device of `mesh` (an all-gather)."""
+  whole = jax.jit(lambda t: t, out_shardings=sharding.replicated(mesh))(tree)
+  return jax.tree.map(lambda x: x.addressable_data(0), whole)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
@@ -342,6 +419,8 @@ class SFTTrainer:
   def __init__(self, config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any], workdir: str, *,
                progress: bool | None = None):
     self.config = cfg = as_experiment_config(config)
+    self.mesh = make_run_mesh(cfg)  # first: a multi-host job must be joined before any other JAX call
+    shard_index, shard_count, host_batch = data_shard(cfg, self.mesh)
     self.workdir = workdir = os.path.abspath(workdir)
     self._progress_enabled = progress
     os.makedirs(workdir, exist_ok=True)
@@ -350,38 +429,64 @@ class SFTTrainer:
     self.paths = data_paths(cfg, workdir)
     self.tokenizer = build_tokenizer(cfg, workdir, self.paths["train"])
     self.model_config = build_model_config(cfg, self.tokenizer)
-    data_cfg = sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=cfg.train.batch_size,
+    data_cfg = sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=host_batch,
                                shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=jax.process_index(),
-                                       shard_count=jax.process_count())
+    self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=shard_index, shard_count=shard_count)
+    self._tokens_scale = shard_count if self.mesh is not None else 1  # tokens/s of the global batch
     self.checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=cfg.train.keep_checkpoints,
                                      async_save=cfg.train.async_checkpointing)
     self._save_rest = not (cfg.model.checkpoint and cfg.lora.get("enabled", False))
     latest = self.checkpointer.latest_step()
     self.seed = cfg.train.seed
     self._data_state: dict[str, Any] | None = None
-    if latest is None:
+    self._shardings: Any = None  # the TrainState's shardings on the mesh (None without one)
+    if latest is not None:
+      self._restore(latest)
+    elif self.mesh is None:
       model, trainable = build_model(cfg, self.model_config)
       self.graphdef = nnx.split(model, trainable, ...)[0]
-      self.tx, self.lr_schedule, self.train_step = _optimizer_and_step(self.graphdef, cfg)
+      self.tx, self.lr_schedule, self.train_step, _ = _optimizer_and_step(self.graphdef, cfg)
       _, self.state = init_train_state(model, self.tx, trainable=trainable)
       del model
     else:
-      self._restore(latest)
-    # Committed arrays: a fresh and a restored state then hit the same compiled step (jit keys on it).
-    self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self.state)
+      self._init_sharded()
+    if self.mesh is None:
+      # Committed arrays: a fresh and a restored state then hit the same compiled step (jit keys on it).
+      self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self.state)
     self._eval_data: eval_loop.EvalData | None = None
 
   # ---- state ------------------------------------------------------------------------------------------------
+  def _init_sharded(self) -> None:
+    """A fresh train state created in its shards (a pretrained base: loaded, then sharded)."""
+    cfg, mesh = self.config, self.mesh
+    abstract, trainable = build_model(cfg, self.model_config, abstract=True)
+    self.graphdef, params, rest = nnx.split(abstract, trainable, ...)
+    self.tx, self.lr_schedule, self.train_step, self._shardings = _optimizer_and_step(self.graphdef, cfg, mesh,
+                                                                                      params, rest)
+    if cfg.model.checkpoint:
+      model, _ = build_model(cfg, self.model_config, mesh=mesh)
+      self.state = sharding.shard_state(init_train_state(model, self.tx, trainable=trainable)[1], self._shardings)
+      return
+
+    def model_fn() -> nnx.Module:  # what build_model initialises, traced inside one sharded program
+      return apply_lora(cfg, DiffusionGemma(self.model_config, rngs=nnx.Rngs(cfg.train.seed)))[0]
+
+    _, self.state, _ = sharding.init_train_state_sharded(model_fn, self.tx, mesh, trainable=trainable)
+
   def _restore(self, step: int) -> None:
-    cfg = self.config
+    cfg, mesh = self.config, self.mesh
     has_rest = self.checkpointer.restore_meta(step).get("has_rest", True)
     # Shapes only, unless the frozen weights come from the base checkpoint (they are not in ours).
-    model, trainable = build_model(cfg, self.model_config, abstract=has_rest)
+    model, trainable = build_model(cfg, self.model_config, abstract=has_rest, mesh=mesh)
     self.graphdef, params, rest = nnx.split(model, trainable, ...)
-    self.tx, self.lr_schedule, self.train_step = _optimizer_and_step(self.graphdef, cfg)
-    target = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest if has_rest else None,
-                        opt_state=jax.eval_shape(self.tx.init, params))
+    self.tx, self.lr_schedule, self.train_step, self._shardings = _optimizer_and_step(self.graphdef, cfg, mesh,
+                                                                                      params, rest)
+    target = _abstract_state(params, rest if has_rest else None, self.tx)
+    if mesh is not None:  # restore every array straight into its shards on this run's mesh
+      target = sharding.abstract_with_shardings(
+          target, self._shardings if has_rest else self._shardings.replace(rest=None))
+      if not has_rest:
+        rest = sharding.shard_state(rest, self._shardings.rest)
     state, meta = self.checkpointer.restore(target, step)
     self.state = state if has_rest else state.replace(rest=rest)
     self.seed = int(meta.get("seed", cfg.train.seed))
@@ -396,8 +501,15 @@ class SFTTrainer:
     return int(self.state.step)
 
   def model(self) -> nnx.Module:
-    """The current model (shares arrays with the train state: use it before the next train step)."""
+    """The current model (shares arrays with the train state, sharded like it: use it before the next step)."""
     return state_to_model(self.graphdef, self.state)
+
+  def _eval_model(self) -> nnx.Module:
+    """The model for evaluation: on a mesh, gathered whole onto one device per process."""
+    if self.mesh is None:
+      return self.model()
+    params, rest = _gather_to_one_device((self.state.params, self.state.rest), self.mesh)
+    return nnx.merge(self.graphdef, params, rest)
 
   def save(self, step: int, data_state: Mapping[str, Any] | None, *, wait: bool = False) -> None:
     meta = {"seed": self.seed, "data_state": dict(data_state) if data_state is not None else None,
@@ -414,7 +526,7 @@ class SFTTrainer:
   def evaluate(self, *, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Evaluates the current state; writes workdir/eval/report_step_{N}.json and the plot (process 0)."""
     out_dir = os.path.join(self.workdir, EVAL_DIR) if is_main_process() else None
-    return evaluate_model(self.config, self.model(), self.tokenizer, self.eval_data(), step=self.step,
+    return evaluate_model(self.config, self._eval_model(), self.tokenizer, self.eval_data(), step=self.step,
                           out_dir=out_dir, log=log)
 
   # ---- the loop -----------------------------------------------------------------------------------------------
@@ -437,7 +549,9 @@ class SFTTrainer:
       while step < total:
         data_state = iterator.get_state()
         batch = next(iterator)
-        tokens += float(np.sum(batch.prompt_mask) + np.sum(batch.completion_mask))
+        tokens += float(np.sum(batch.prompt_mask) + np.sum(batch.completion_mask)) * self._tokens_scale
+        if self.mesh is not None:
+          batch = sharding.shard_batch(batch, self.mesh)
         self.state, metrics = self.train_step(self.state, batch, jax.random.fold_in(base_key, step))
         if not bool(metrics["finite"]):
           self._stop_non_finite(step, metrics, data_state, writer)
@@ -519,5 +633,5 @@ def train(config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, An
 
 
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "SFTTrainer", "apply_lora", "build_model", "build_model_config",
-           "build_tokenizer", "data_paths", "eval_task", "evaluate_model", "load_eval_data", "load_run",
-           "load_run_tokenizer", "sft_data_config", "train"]
+           "build_tokenizer", "data_paths", "data_shard", "eval_task", "evaluate_model", "load_eval_data", "load_run",
+           "load_run_tokenizer", "make_run_mesh", "sft_data_config", "train"]

@@ -178,3 +178,34 @@ def test_data_pinned_tokens_are_pinned_in_evaluation(setup):
   for sample in report["samples"]:
     assert len(sample["prediction"]) == 8
     assert sample["prediction"][0] == sample["target"][0] and sample["prediction"][4] == sample["target"][4]
+
+
+def test_ablation_runs_and_trajectory(setup):
+  """An ablation run is scored (and sampled) with its own task; the report holds the first example's canvas after
+  every step of the last main run, with the task's pinned position held at every step."""
+  tmp, tok, model, data = setup
+  section = EvalSection(step_budgets=(2,), early_stopping_steps=4, ablation_steps=3, ablations={"pins": {}})
+  runs = loop.eval_runs(section, max_new_tokens=8)
+  made = []
+  runs += loop.ablation_runs(section, 8, lambda overrides: made.append(overrides) or _PinFirstDigit())
+  assert made == [{}] and [(r.name, r.ablation, r.sampling.max_denoising_steps) for r in runs] == [
+      ("steps_2", None, 2), ("early_stopping", None, 4), ("steps_3/pins", "pins", 3)]
+  out = str(tmp / "ablation")
+  report = loop.run_evaluation(model, tok, data, _PinFirstDigit(), runs[:1] + runs[2:], batch_size=4, out_dir=out,
+                               num_samples=4)
+  ablation = report["runs"][-1]
+  assert ablation["ablation"] == "pins" and ablation["metrics"]["first_char_ok"] == 1.0
+  traj = report["trajectory"]
+  assert traj["run"] == "steps_2" and len(traj["steps"]) == 2
+  # (decoding stops at an EOS, which the task allows)
+  assert all(0 < len(s) <= 8 and s[0] == data.examples[0].completion[0] for s in traj["steps"])
+  assert all(set(s) <= set("0123456789") for s in traj["steps"])  # the task's allowed tokens
+  # the base Task draws nothing; the JSON still carries the trajectory
+  assert not os.path.exists(os.path.join(out, loop.CANVAS_PLOT_PATTERN.format(step=0)))
+  with open(os.path.join(out, "report_step_0.json")) as f:
+    assert json.load(f)["trajectory"]["steps"] == traj["steps"]
+
+
+def test_ablations_need_a_step_count():
+  with pytest.raises(ConfigError, match="eval.ablation_steps"):
+    EvalSection(ablations={"no_pins": {"pin_givens": False}})
