@@ -81,8 +81,8 @@ class EvalRun:
 
 def ablation_runs(eval_cfg: Any, max_new_tokens: int, make_task: Callable[[Mapping[str, Any]], Task]) -> list[EvalRun]:
   """One fixed-step run per entry of `eval_cfg.ablations` (name -> task-argument overrides), at
-  `eval_cfg.ablation_steps`; `make_task(overrides)` builds the overridden task."""
-  if not eval_cfg.ablations:
+  `eval_cfg.ablation_steps` (0: none); `make_task(overrides)` builds the overridden task."""
+  if not eval_cfg.ablations or not eval_cfg.ablation_steps:
     return []
   steps = int(eval_cfg.ablation_steps)
   sampling = eval_runs(eval_cfg, max_new_tokens)[0].sampling.replace(max_denoising_steps=steps, early_stopping=False)

@@ -184,8 +184,8 @@ class EvalSection:
   split: 'validation' or 'train'. num_examples: examples generated (the first ones of the split).
   early_stopping_steps: the step cap of the early-stopping run. max_new_tokens: 0 = the data's completion
   capacity (max_canvases * canvas_length). The sampler knobs mean what they mean in `hd.SamplingConfig`.
-  ablations: name -> task-argument overrides, each evaluated once at `ablation_steps` (fixed steps), e.g.
-  `{'no_pins': {'pin_givens': False}}` reports Sudoku without pinning the givens.
+  ablations: name -> task-argument overrides, each evaluated once at `ablation_steps` (fixed steps; 0 turns
+  them off), e.g. `{'no_pins': {'pin_givens': False}}` reports Sudoku without pinning the givens.
   """
 
   task: str = ""
@@ -211,8 +211,8 @@ class EvalSection:
     for name, args in self.ablations.items():
       if not hasattr(args, "items"):
         raise ConfigError(f"eval.ablations.{name}={args!r}; expected a mapping of task arguments to override")
-    if self.ablations and not (_is_int(self.ablation_steps) and self.ablation_steps > 0):
-      raise ConfigError(f"eval.ablation_steps={self.ablation_steps!r}; expected a positive integer with eval.ablations")
+    if not (_is_int(self.ablation_steps) and self.ablation_steps >= 0):
+      raise ConfigError(f"eval.ablation_steps={self.ablation_steps!r}; expected an integer >= 0 (0: no ablation runs)")
     for name in ("num_examples", "batch_size", "early_stopping_steps"):
       _positive_int("eval", name, getattr(self, name))
     for name in ("max_new_tokens", "num_samples", "stability_threshold"):

@@ -206,6 +206,8 @@ def test_ablation_runs_and_trajectory(setup):
     assert json.load(f)["trajectory"]["steps"] == traj["steps"]
 
 
-def test_ablations_need_a_step_count():
+def test_ablation_steps_zero_turns_ablations_off():
+  section = EvalSection(ablations={"no_pins": {"pin_givens": False}})
+  assert loop.ablation_runs(section, 8, lambda overrides: TextTask()) == []
   with pytest.raises(ConfigError, match="eval.ablation_steps"):
-    EvalSection(ablations={"no_pins": {"pin_givens": False}})
+    EvalSection(ablation_steps=-1)

@@ -1,0 +1,190 @@
+"""Speed of the MoE implementations (`ModelConfig.moe_impl`: tiled, dense, ragged) on the current backend.
+
+Three measurements, each impl on identical parameters and inputs, timed in interleaved rounds (one call of each
+impl per round, so that load on a shared machine hits all alike); reported: the minimum wall time, the minimum CPU
+time of this process (`time.process_time`, all threads; steadier than wall time when other processes compete for
+the cores) and both as a ratio to the dense path run in the same process.
+
+  layer   one MoE block (router + experts) on T tokens, forward and gradient (w.r.t. input and parameters)
+  decode  a full decoder forward (`model.decode`) over B x C canvas tokens, reading a 32-token encoded prompt
+  train   value_and_grad of the SFT loss (`diffusion_loss`: encoder + two decoder passes) of the Sudoku model
+
+Sizes: `sudoku` (`get_preset('sudoku')`: hidden 128, moe_intermediate 128, 4 experts top-2) and `100m` (hidden
+512, moe_intermediate 512, 8 experts top-2, 8 layers, vocab 32k; scripts/benchmark_train.py's ~100M config).
+Token counts 81 (1 x 81), 648 (8 x 81), 2048 (8 x 256) and, for the Sudoku training batch, 2592 (32 x 81).
+
+  python scripts/benchmark_moe.py                          # everything (~10 min on 2 busy CPU cores)
+  python scripts/benchmark_moe.py --parts=layer --sizes=100m --tokens=2048
+  python scripts/benchmark_moe.py --smoke                  # tiny shapes, one round (tests)
+
+Measured (XLA:CPU, 2 shared cores, load average 5-6, 5 rounds; min wall ms, ratio to dense; process-CPU agreed):
+
+  measurement                          dense     tiled           ragged
+  sudoku layer fwd   T=81 / 648 / 2048 0.5/2.7/9.1   0.72/0.68/0.51  1.58/1.72/1.57
+  sudoku layer grad  T=81 / 648 / 2048 1.3/10.8/45   1.05/0.60/0.42  1.69/1.75/1.71
+  sudoku decode 1x81 / 8x81 / 8x256    5.1/26/102    0.81/0.81/0.91  1.33/1.32/1.36
+  sudoku value_and_grad, batch 32      2325          0.84            1.18
+  100m layer fwd     T=81 / 648 / 2048 13/71/307     0.60/0.36/0.22  2.40/1.88/1.51
+  100m layer grad    T=81 / 648 / 2048 38/272/1030   0.84/0.35/0.27  2.29/1.70/1.49
+  100m decode 1x81 / 8x81 / 8x256      196/1075/4343 0.76/0.68/0.62  1.85/1.45/1.37
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hackable_diffusion.data.sft import SFTBatch
+from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
+from hackable_diffusion.model import layers
+from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig, get_preset
+from hackable_diffusion.model.transformer import init_model
+
+S, F = SLIDING, FULL
+SIZES: dict[str, ModelConfig] = {
+    "sudoku": get_preset("sudoku"),
+    "100m": ModelConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=512,
+        num_experts=8, top_k_experts=2, moe_intermediate_size=512, layer_types=(S, S, S, F, S, S, S, F),
+        canvas_length=256),
+    "micro": get_preset("tiny", sliding_window=64),
+}
+CANVAS: dict[int, tuple[int, int]] = {81: (1, 81), 648: (8, 81), 2048: (8, 256), 2592: (32, 81), 16: (2, 8)}
+PROMPT = 32
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
+  """Each callable once per round (after one warm-up call) -> {name: (min wall s, min process CPU s)}."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  wall: dict[str, list[float]] = {k: [] for k in fns}
+  cpu: dict[str, list[float]] = {k: [] for k in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      c0, t0 = time.process_time(), time.perf_counter()
+      jax.block_until_ready(fn())
+      wall[name].append(time.perf_counter() - t0)
+      cpu[name].append(time.process_time() - c0)
+  return {k: (min(wall[k]), min(cpu[k])) for k in fns}
+
+
+def row(label: str, times: dict[str, tuple[float, float]]) -> str:
+  """A markdown row: `wall / cpu ms (wall ratio / cpu ratio vs dense)` per impl."""
+  dw, dc = times["dense"]
+  cells = [f"{w * 1e3:.1f} / {c * 1e3:.1f} ({w / dw:.2f} / {c / dc:.2f})" for w, c in times.values()]
+  return f"| {label} | " + " | ".join(cells) + " |"
+
+
+# ------------------------------------------------------------------------------------------------------ pieces
+def layer_fns(cfg: ModelConfig, impls: list[str], tokens: int) -> dict[str, dict[str, Callable[[], Any]]]:
+  """{'fwd'|'grad': {impl: thunk}} for one router + experts block on `tokens` random rows."""
+  h = cfg.hidden_size
+  kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, std=0.02)
+  with nnx.use_eager_sharding(False):
+    router = layers.Router(h, cfg.num_experts, cfg.top_k_experts, eps=cfg.rms_norm_eps, rngs=nnx.Rngs(0), **kw)
+  x = jax.random.normal(jax.random.key(1), (tokens, h), jnp.float32)  # [T, H]
+  out: dict[str, dict[str, Callable[[], Any]]] = {"fwd": {}, "grad": {}}
+  for impl in impls:
+    with nnx.use_eager_sharding(False):
+      experts = layers.Experts(h, cfg.moe_intermediate_size, cfg.num_experts, rngs=nnx.Rngs(2), impl=impl, **kw)
+    graphdef, params = nnx.split((router, experts))
+
+    def block(params, x, graphdef=graphdef):
+      r, e = nnx.merge(graphdef, params)
+      return e(x, *r(x))
+
+    fwd = jax.jit(block)
+    grad = jax.jit(jax.grad(lambda p, x, block=block: jnp.sum(block(p, x) ** 2), argnums=(0, 1)))
+    out["fwd"][impl] = lambda fwd=fwd, params=params: fwd(params, x)
+    out["grad"][impl] = lambda grad=grad, params=params: grad(params, x)
+  return out
+
+
+def decode_fns(cfg: ModelConfig, impls: list[str], tokens: int) -> dict[str, Callable[[], Any]]:
+  """{impl: thunk} running `model.decode` over a B x C canvas after a 32-token encoded prompt."""
+  b, c = CANVAS[tokens]
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, PROMPT)), jnp.int32)
+  canvas = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, c)), jnp.int32)
+  out = {}
+  for impl in impls:
+    model = init_model(cfg.replace(moe_impl=impl), seed=0)
+    _, cache = model.encode(prompt, model.init_cache(b, PROMPT))
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda state, canvas, cache, graphdef=graphdef: nnx.merge(graphdef, state).decode(canvas, cache))
+    out[impl] = lambda fn=fn, state=state, cache=cache: fn(state, canvas, cache)
+  return out
+
+
+def train_fns(cfg: ModelConfig, impls: list[str], batch_size: int) -> dict[str, Callable[[], Any]]:
+  """{impl: thunk} computing value_and_grad of the SFT loss (prompt and completion of one canvas each)."""
+  rng = np.random.default_rng(0)
+  p = c = cfg.canvas_length
+  ids = lambda n: jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, n)), jnp.int32)  # noqa: E731
+  batch = SFTBatch(prompt_ids=ids(p), prompt_mask=jnp.ones((batch_size, p), bool), completion_ids=ids(c),
+                   completion_mask=jnp.ones((batch_size, c), bool))
+  loss_config = LossConfig(variant="flat", self_conditioning_prob=0.5, encoder_ar_weight=1.0)
+  key = jax.random.key(0)
+  out = {}
+  for impl in impls:
+    graphdef, params, rest = nnx.split(init_model(cfg.replace(moe_impl=impl), seed=0), nnx.Param, ...)
+
+    def loss(params, rest, graphdef=graphdef):
+      return diffusion_loss(nnx.merge(graphdef, params, rest), batch, key, loss_config)[0]
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    out[impl] = lambda fn=fn, params=params, rest=rest: fn(params, rest)
+  return out
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--sizes", default="sudoku,100m")
+  ap.add_argument("--tokens", default="81,648,2048")
+  ap.add_argument("--impls", default="dense,tiled,ragged", help="comma list; dense is always run (the baseline)")
+  ap.add_argument("--parts", default="layer,decode,train")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--smoke", action="store_true", help="micro config, 16 tokens, one round")
+  args = ap.parse_args(argv)
+  if args.smoke:
+    args.sizes, args.tokens, args.rounds = "micro", "16", 1
+  impls = ["dense"] + [i for i in args.impls.split(",") if i != "dense"]
+  sizes = args.sizes.split(",")
+  token_counts = [int(t) for t in args.tokens.split(",")]
+  parts = args.parts.split(",")
+  print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, load average {os.getloadavg()}, "
+        f"rounds {args.rounds}")
+  print("each cell: min wall / min process-CPU ms (ratio to dense: wall / CPU)\n")
+  print("| measurement | " + " | ".join(impls) + " |")
+  print("|---" * (len(impls) + 1) + "|")
+  for size in sizes:
+    cfg = SIZES[size]
+    for tokens in token_counts:
+      if "layer" in parts:
+        fns = layer_fns(cfg, impls, tokens)
+        for mode in ("fwd", "grad"):
+          print(row(f"{size} MoE layer {mode}, T={tokens}", time_interleaved(fns[mode], args.rounds)), flush=True)
+      if "decode" in parts:
+        b, c = CANVAS[tokens]
+        label = f"{size} decode {b}x{c}"
+        print(row(label, time_interleaved(decode_fns(cfg, impls, tokens), args.rounds)), flush=True)
+    if "train" in parts and size in ("sudoku", "micro"):
+      batch_size = 2 if args.smoke else 32
+      tokens = batch_size * cfg.canvas_length
+      label = f"{size} value_and_grad(SFT loss), batch {batch_size} ({tokens} canvas tokens)"
+      print(row(label, time_interleaved(train_fns(cfg, impls, batch_size), args.rounds)), flush=True)
+  print(f"\nload average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+  main()
