@@ -1,40 +1,47 @@
-"""A short Sudoku training run through the real trainer learns to solve easy puzzles (not only runs).
+"""A short Sudoku run of the headline command learns to solve easy puzzles (not only runs).
 
-configs/sudoku.py with a smaller budget: 2,000 easy puzzles, 160 steps of 32. A model that has learned nothing
-solves ~0% of easy puzzles (guessing ~37 blank cells right at random has probability ~1e-35, and the givens are
-pinned so copying them earns nothing). The threshold below (>= 20% solved, >= 70% of blank cells right) is
-far above that and below what this budget reaches (see the printed report when it fails).
+`python -m hackable_diffusion.train --config=configs/sudoku.py` in a subprocess (default XLA flags: the suite's
+fast-compile flags make the Sudoku train step slower) with a smaller budget: 1,500 easy puzzles, STEPS steps of
+32, evaluation of 32 held-out easy puzzles at 16 steps. A model that has learned nothing solves ~0% of easy
+puzzles (guessing ~37 blank cells right at random has probability ~1e-35; the givens are pinned, so copying them
+earns nothing) and gets ~1/9 of the blank cells right. The thresholds below are far above that and below what
+this budget reached when measured: 37.5% solved, 86.6% of blank cells right (170 s on 2 shared cores).
 """
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
+import subprocess
+import sys
 
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import trainer as trainer_lib
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+STEPS = 100
+MIN_SOLVED = 0.15
+MIN_CELL_ACCURACY = 0.60
 
-STEPS = 160
 
-
-@pytest.mark.slow  # trains 160 Sudoku steps: several minutes on 2 cores; excluded from CI (pyproject addopts), run with -m slow
 def test_short_sudoku_run_solves_easy_puzzles(tmp_path):
   overrides = {
-      "data.generator_args.num_train": 2000, "data.generator_args.num_validation": 8,
-      "data.generator_args.num_test": 64, "data.generator_args.easy": 1.0, "data.generator_args.medium": 0.0,
-      "data.generator_args.workers": 1,
-      "train.steps": STEPS, "optimizer.decay_steps": STEPS, "optimizer.warmup_steps": 20,
-      "train.log_every": 40, "train.checkpoint_every": STEPS,
-      "eval.num_examples": 64, "eval.batch_size": 64, "eval.step_budgets": (16,), "eval.early_stopping_steps": 16,
+      "data.generator_args.num_train": 1500, "data.generator_args.num_validation": 8,
+      "data.generator_args.num_test": 32, "data.generator_args.easy": 1.0, "data.generator_args.medium": 0.0,
+      "data.generator_args.workers": 1, "data.prefetch_batches": 1,
+      "train.steps": STEPS, "optimizer.decay_steps": STEPS, "optimizer.warmup_steps": 20, "optimizer.peak_lr": 3e-3,
+      "train.log_every": 50, "train.checkpoint_every": STEPS, "train.async_checkpointing": False,
+      "eval.num_examples": 32, "eval.batch_size": 32, "eval.step_budgets": "(16,)", "eval.early_stopping_steps": 16,
+      "eval.ablation_steps": 0, "eval.num_samples": 1,
   }
-  cfg = config_lib.load_config_file("sudoku.py", overrides)
-  trainer_lib.train(cfg, str(tmp_path), progress=False)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  cmd = [sys.executable, "-m", "hackable_diffusion.train", "--config=configs/sudoku.py", f"--workdir={tmp_path}"]
+  cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(tmp_path, "eval", f"report_step_{STEPS}.json")) as f:
     report = json.load(f)
-  run = next(r for r in report["runs"] if r["name"] == "steps_16")
-  m = run["metrics"]
-  assert m["easy/count"] == 64
-  assert m["easy/cell_accuracy"] >= 0.70, json.dumps(m)
-  assert m["easy/solved_rate"] >= 0.20, json.dumps(m)
+  m = next(r for r in report["runs"] if r["name"] == "steps_16")["metrics"]
+  print("SUDOKU_LEARNS", json.dumps(m))
+  assert m["easy/count"] == 32
+  assert m["easy/cell_accuracy"] >= MIN_CELL_ACCURACY, json.dumps(m)
+  assert m["easy/solved_rate"] >= MIN_SOLVED, json.dumps(m)
+  # the picture of one puzzle's canvas converging is written next to the report
+  assert os.path.getsize(os.path.join(tmp_path, "eval", f"canvas_step_{STEPS}.png")) > 1000
