@@ -99,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Accuracy against the denoising-step budget, and with early stopping.
   config.eval = ml_collections.ConfigDict(dict(
       task="sudoku",
-      task_args=ml_collections.ConfigDict(),
+      task_args=ml_collections.ConfigDict(dict(pin_givens=True, digits_only=True)),  # SudokuTask sampling hooks
       split="test",  # held-out puzzles, disjoint from train and validation
       num_examples=NUM_EVAL,
       batch_size=100,

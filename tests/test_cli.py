@@ -183,7 +183,10 @@ def test_evaluate_and_sample_cli(killed_and_resumed):
   res = cli("sample", f"--workdir={workdir}", "--prompt=5895382", "--steps=8", "--live", env=env, cwd=tmp)
   assert res.returncode == 0, res.stderr[-2000:]
   outs = res.stdout.strip().splitlines()
-  assert len(outs) == 1 and len(outs[0]) == 7 and outs[0].isdigit(), res.stdout
+  # one line: the completion of a model that learned to sort (its length may miss a digit or two: EOS comes early
+  # after 300 tiny steps)
+  assert len(outs) == 1 and outs[0].isdigit() and 5 <= len(outs[0]) <= 8, res.stdout
+  assert list(outs[0]) == sorted(outs[0]), res.stdout
   assert "[canvas 0 step   8]" in res.stderr  # the live view printed every step
   res = subprocess.run([sys.executable, "-m", "hackable_diffusion.sample", f"--workdir={workdir}", "--steps=8",
                         "--live"], input="5895382\n\n", env=env, cwd=tmp, capture_output=True, text=True,
