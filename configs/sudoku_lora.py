@@ -6,6 +6,10 @@
 `model.checkpoint` is a previous run's workdir (or a Hugging Face DiffusionGemma directory); the tokenizer is the
 base run's. Rank-8 adapters on attention + dense MLP; only they train (the optimizer filter is `nnx.LoRAParam`)
 and only they are checkpointed. Data: hard puzzles (< 30 givens), the bucket the base is weakest on.
+
+Measured (docs/lora.md): on hard puzzles the adapter's gain is within noise at this budget (solved 3.7% -> 5.0% at
+64 steps, 300 puzzles); adapting to sampling without pinned givens (overrides listed there) lifts blank-cell
+accuracy from 15.8% to 50.5%.
 """
 
 import ml_collections
