@@ -13,15 +13,17 @@ Two choices differ from the pure architecture and recipe, each measured (docs/su
   configs/sudoku_pure.py trains the exportable pure architecture.
 - the givens are pinned (`data.pinned_field`): never corrupted in training, fixed at sampling (infilling).
 
-Size/steps trade-off: `--config.train.steps` scales time linearly (~1 s per step of 32 puzzles on 2 cores);
-configs/sudoku_gpu.py is the same recipe sized for one GPU.
+Measured on an idle 2-core CPU: 23.4 min wall time in all (1,600 steps at ~0.7 s per step of 32 puzzles, ~4.5 min
+of evaluation), 61% of easy + medium test puzzles solved (85% / 37%) at 64 steps (README, docs/sudoku.md).
+Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the same recipe
+sized for one GPU.
 """
 
 import ml_collections
 
 STRUCTURE = "sudoku_peers"
 NUM_TRAIN = 30_000
-STEPS = 1200
+STEPS = 1600
 BATCH = 32
 PEAK_LR = 2e-3
 NUM_EVAL = 300
