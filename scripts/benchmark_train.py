@@ -250,8 +250,8 @@ def profile_pieces(size: Size, ours, ref, batch: SFTBatch, key, rounds: int) -> 
   Pieces: the encoder alone (forward + backward of the AR loss: encoder over prompt + completion, LM head, CE), the
   whole loss forward, the whole loss forward + backward (encoder + both decoder passes; the decoder share is the
   difference), the optimizer (clip + AdamW, without the step's non-finite guard), the whole train step, and -- ours
-  only -- the train step of the same model with `num_experts = top_k_experts` (what a FLOP-optimal top-k MoE would
-  cost: our `moe_impl='dense'` runs every expert on every token).
+  only -- the train step of the same model with `num_experts = top_k_experts` (no routing at all: what the MoE
+  layers would cost if every token's experts were the only ones).
   """
   import torch
 
@@ -291,27 +291,21 @@ def profile_pieces(size: Size, ours, ref, batch: SFTBatch, key, rounds: int) -> 
     compiled = jax.jit(fn).lower(*args).compile()
     flops[name] = flops_of(compiled)
     ours_fns[name] = (lambda c, a: lambda: jax.block_until_ready(c(*a)))(compiled, args)
-  step_c, step_state, _, _, _ = make_our_step(ours, batch, key)
-  holder = {"state": step_state}
-
-  def our_step(compiled=step_c, h=holder):
-    h["state"], m = compiled(h["state"], batch, key)
-    jax.block_until_ready((h["state"], m))
-
-  ours_fns["train step"] = our_step
-  flops["train step"] = flops_of(step_c)
   from hackable_diffusion.model.transformer import init_model
 
+  def repeated_step(model):  # -> (zero-argument timed call of our compiled step on its own state, its FLOPs)
+    compiled, state, _, _, _ = make_our_step(model, batch, key)
+    holder = {"state": state}
+
+    def run():
+      holder["state"], m = compiled(holder["state"], batch, key)
+      jax.block_until_ready((holder["state"], m))
+
+    return run, flops_of(compiled)
+
+  ours_fns["train step"], flops["train step"] = repeated_step(ours)
   sparse = init_model(cfg.replace(num_experts=cfg.top_k_experts), 0)
-  sparse_c, sparse_state, _, _, _ = make_our_step(sparse, batch, key)
-  holder_k = {"state": sparse_state}
-
-  def our_sparse_step(compiled=sparse_c, h=holder_k):
-    h["state"], m = compiled(h["state"], batch, key)
-    jax.block_until_ready((h["state"], m))
-
-  ours_fns["train step, experts = top-k"] = our_sparse_step
-  flops["train step, experts = top-k"] = flops_of(sparse_c)
+  ours_fns["train step, experts = top-k"], flops["train step, experts = top-k"] = repeated_step(sparse)
 
   params = [q for q in ref.parameters() if q.requires_grad]
   opt = torch.optim.AdamW(params, lr=LR, betas=(0.95, 0.99), eps=1e-8, weight_decay=1e-4)

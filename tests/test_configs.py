@@ -49,10 +49,6 @@ def test_config_builds(path, tmp_path):
     raw.model.checkpoint = str(base)
     cfg = config_lib.ExperimentConfig.from_config_dict(raw)
     assert trainer_lib.is_run_workdir(str(base))
-  if cfg.lora.get("enabled"):
-    lora = pytest.importorskip("hackable_diffusion.lora")
-    if not hasattr(lora, "from_config"):
-      pytest.skip("hackable_diffusion.lora.from_config is not available yet")
   model_config = trainer_lib.build_model_config(cfg, _StandInTokenizer())
   assert isinstance(model_config, ModelConfig)
   model, _ = trainer_lib.build_model(cfg, model_config, abstract=True)
@@ -63,9 +59,20 @@ def test_config_builds(path, tmp_path):
   assert data_cfg.canvas_length == model_config.canvas_length
   task = trainer_lib.eval_task(cfg)
   assert callable(task.metrics)
+  trainer_lib.check_eval_tasks(cfg)  # every ablation's task builds
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model_config.canvas_length
   runs = loop.eval_runs(cfg.eval, max_new)
   assert runs[-1].sampling.early_stopping and len(runs) == len(set(cfg.eval.step_budgets)) + 1
+
+
+def test_bad_ablation_task_argument_fails_before_training(tmp_path):
+  raw = config_lib.load_config_file("sudoku.py")
+  raw.eval.ablations.no_pins = {"pin_givns": False}
+  cfg = config_lib.ExperimentConfig.from_config_dict(raw)
+  with pytest.raises(config_lib.ConfigError, match=r"eval.ablations.no_pins: task 'sudoku': bad task arguments") as e:
+    trainer_lib.SFTTrainer(cfg, str(tmp_path / "run"))
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "run")  # failed before writing anything (no data, no checkpoint)
 
 
 def test_unknown_and_invalid_keys_are_one_line_errors():

@@ -296,6 +296,19 @@ def eval_task(cfg: ExperimentConfig, overrides: Mapping[str, Any] | None = None)
   return get_task(name, {**dict(args), **dict(overrides or {})})
 
 
+def check_eval_tasks(cfg: ExperimentConfig) -> None:
+  """Builds the evaluation task and every ablation's task once, so that a bad task argument fails when the run
+  starts (a one-line ConfigError naming the ablation), not after training."""
+  if not (cfg.train.eval_at_end or cfg.train.eval_every):
+    return
+  eval_task(cfg)
+  for name, overrides in cfg.eval.ablations.items():
+    try:
+      eval_task(cfg, overrides)
+    except ConfigError as e:
+      raise ConfigError(f"eval.ablations.{name}: {e}") from None
+
+
 def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: Tokenizer,
                    paths: Mapping[str, str], num_examples: int | None = None) -> eval_loop.EvalData:
   split = cfg.eval.split
@@ -420,6 +433,7 @@ class SFTTrainer:
                progress: bool | None = None):
     self.config = cfg = as_experiment_config(config)
     self.mesh = make_run_mesh(cfg)  # first: a multi-host job must be joined before any other JAX call
+    check_eval_tasks(cfg)
     shard_index, shard_count, host_batch = data_shard(cfg, self.mesh)
     self.workdir = workdir = os.path.abspath(workdir)
     self._progress_enabled = progress
@@ -633,5 +647,5 @@ def train(config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, An
 
 
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "SFTTrainer", "apply_lora", "build_model", "build_model_config",
-           "build_tokenizer", "data_paths", "data_shard", "eval_task", "evaluate_model", "load_eval_data", "load_run",
+           "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard", "eval_task", "evaluate_model", "load_eval_data", "load_run",
            "load_run_tokenizer", "make_run_mesh", "sft_data_config", "train"]
