@@ -125,19 +125,28 @@ def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int, vocab_
   return np.where(pins, ids, noise).astype(np.int32), pins
 
 
+def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, sl: slice,
+                  batch_index: int) -> tuple[np.ndarray, np.ndarray] | None:
+  """(seed ids, pinned) [rows, whole canvases] for the examples `sl`: the task's `seed_canvas` hook, else the
+  data's pinned completion tokens (`pinned_field`), else None (uniform noise)."""
+  canvas = sampling.canvas_length or model.config.canvas_length
+  num_tokens = -(-sampling.max_new_tokens // canvas) * canvas  # whole canvases
+  seeded = task.seed_canvas(data.examples[sl], tokenizer, num_tokens)
+  if seeded is None and data.records.completion_pinned is not None:
+    seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size,
+                                  np.random.default_rng([batch_index, 7]))
+  return seeded
+
+
 def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
                      rng: jax.Array) -> list[str]:
   """The first example's argmax canvas after every denoising step, decoded (batch 1, the task's sampler hooks).
   Steps after the row stopped are not repeated: the list has one entry per step the sampler took."""
   canvas = sampling.canvas_length or model.config.canvas_length
-  num_tokens = -(-sampling.max_new_tokens // canvas) * canvas
   kwargs: dict[str, Any] = {}
-  seeded = task.seed_canvas(data.examples[:1], tokenizer, num_tokens)
-  if seeded is None and data.records.completion_pinned is not None:
-    seeded = _pinned_from_records(data.records, slice(0, 1), num_tokens, model.config.vocab_size,
-                                  np.random.default_rng([0, 7]))
-  if seeded is not None:
-    kwargs.update(seed_canvas=np.asarray(seeded[0]), pinned=np.asarray(seeded[1]))
+  seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(0, 1), 0)
+  if seeded is not None:  # the first canvas only
+    kwargs.update(seed_canvas=np.asarray(seeded[0])[:, :canvas], pinned=np.asarray(seeded[1])[:, :canvas])
   out = generate(model, data.records.prompt_ids[:1], sampling.replace(max_new_tokens=canvas), rng=rng,
                  attention_mask=data.records.prompt_mask[:1], allowed_token_ids=task.allowed_token_ids(tokenizer),
                  return_trajectory=True, **kwargs)
@@ -159,18 +168,13 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   width = prompt_ids.shape[1]
   allowed = task.allowed_token_ids(tokenizer)
   bs = min(batch_size, n)
-  canvas = sampling.canvas_length or model.config.canvas_length
-  num_tokens = -(-sampling.max_new_tokens // canvas) * canvas  # whole canvases
   texts: list[str] = []
   steps_per_canvas, tpf = [], []
   for b, start in enumerate(range(0, n, bs)):
     sl = slice(start, min(start + bs, n))
     rows = sl.stop - sl.start
     kwargs: dict[str, Any] = {}
-    seeded = task.seed_canvas(data.examples[sl], tokenizer, num_tokens)
-    if seeded is None and data.records.completion_pinned is not None:
-      seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size,
-                                    np.random.default_rng([b, 7]))
+    seeded = _start_canvas(model, tokenizer, data, sampling, task, sl, b)
     if seeded is not None:
       seed_ids, pinned = seeded
       kwargs.update(seed_canvas=_pad_rows(np.asarray(seed_ids), bs), pinned=_pad_rows(np.asarray(pinned), bs))

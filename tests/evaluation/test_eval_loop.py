@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -211,3 +212,11 @@ def test_ablation_steps_zero_turns_ablations_off():
   assert loop.ablation_runs(section, 8, lambda overrides: TextTask()) == []
   with pytest.raises(ConfigError, match="eval.ablation_steps"):
     EvalSection(ablation_steps=-1)
+
+
+def test_trajectory_of_a_two_canvas_evaluation_uses_the_first_canvas(setup):
+  """With completions of two canvases the task seeds 16 tokens; the trajectory samples (and pins) the first."""
+  _, tok, model, data = setup
+  sampling = loop.eval_runs(EvalSection(step_budgets=(3,), early_stopping_steps=3), max_new_tokens=16)[0].sampling
+  steps = loop.trajectory_texts(model, tok, data, sampling, _PinFirstDigit(), rng=jax.random.key(0))
+  assert len(steps) == 3 and all(s[:1] == data.examples[0].completion[:1] for s in steps)
