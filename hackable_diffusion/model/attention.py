@@ -39,6 +39,11 @@ class KVCache:
   def capacity(self) -> int:
     return self.valid.shape[1]
 
+  def truncated(self, capacity: int) -> KVCache:
+    """The first `capacity` slots (static): a reader that never looks past them attends over fewer keys."""
+    return KVCache(keys=tuple(k[:, :capacity] for k in self.keys), values=tuple(v[:, :capacity] for v in self.values),
+                   valid=self.valid[:, :capacity], length=jnp.minimum(self.length, capacity))
+
   @classmethod
   def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
     shapes = [(batch, capacity, config.layer_kv_heads(i), config.layer_head_dim(i)) for i in range(config.num_hidden_layers)]
@@ -124,10 +129,11 @@ class Attention(nnx.Module):
   def qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
     """x [B, L, H] -> q [B, L, N, D], k/v [B, L, Nkv, D]."""
     b, l, _ = x.shape
-    q = self.q_proj(x).reshape(b, l, self.num_heads, self.head_dim)
+    flat = layers.tokens_2d(x)  # [B*L, H]
+    q = self.q_proj(flat).reshape(b, l, self.num_heads, self.head_dim)
     q = layers.apply_rope(self.q_norm(q), cos, sin)
-    raw_k = self.k_proj(x).reshape(b, l, self.num_kv, self.head_dim)
-    raw_v = raw_k if self.v_proj is None else self.v_proj(x).reshape(b, l, self.num_kv, self.head_dim)
+    raw_k = self.k_proj(flat).reshape(b, l, self.num_kv, self.head_dim)
+    raw_v = raw_k if self.v_proj is None else self.v_proj(flat).reshape(b, l, self.num_kv, self.head_dim)
     k = layers.apply_rope(self.k_norm(raw_k), cos, sin)
     return q, k, self.v_norm(raw_v)
 
@@ -139,7 +145,7 @@ class Attention(nnx.Module):
     cache_k = write_rows(cache_k, k, start)
     cache_v = write_rows(cache_v, v, start)
     out = attend(q, cache_k.astype(self.dtype), cache_v.astype(self.dtype), mask, self.dtype)
-    return self.o_proj(out.reshape(b, l, -1)), cache_k, cache_v
+    return self.o_proj(out.reshape(b * l, -1)).reshape(b, l, -1), cache_k, cache_v
 
   def decode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, prefix_mask: Array,
              canvas_mask: Array | None) -> Array:
@@ -156,4 +162,4 @@ class Attention(nnx.Module):
       prefix = jnp.broadcast_to(prefix_mask[:, None, None, :], (b, n, c, prefix_mask.shape[1]))
       mask = jnp.concatenate([prefix, jnp.broadcast_to(canvas_mask, (b, n, c, c))], axis=-1)
     out = attend(q, keys, values, mask, self.dtype)
-    return self.o_proj(out.reshape(b, c, -1))
+    return self.o_proj(out.reshape(b * c, -1)).reshape(b, c, -1)

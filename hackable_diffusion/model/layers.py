@@ -93,6 +93,16 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def tokens_2d(x: Array) -> Array:
+  """x [..., D] -> [tokens, D].
+
+  Projections run on 2-D token matrices: the weight gradient of a projection applied to a 3-D `[B, L, D]` input
+  contracts two axes, which XLA:CPU lowers with a separate transposing copy of the activation gradient (measured
+  4-10x slower than the 2-D form, whose transposition the matmul absorbs).
+  """
+  return x.reshape(-1, x.shape[-1])
+
+
 # ---- feed-forward -----------------------------------------------------------------------------------------------
 class MLP(nnx.Module):
   """Gated GELU-tanh MLP: `down(gelu_tanh(gate x) * up x)`."""
@@ -104,7 +114,9 @@ class MLP(nnx.Module):
     self.down_proj = linear(rngs, intermediate, hidden, ("mlp", "embed"), **kw)
 
   def __call__(self, x: Array) -> Array:
-    return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+    """x [..., H] -> [..., H] (computed on the flattened `[tokens, H]` matrix, see `tokens_2d`)."""
+    flat = tokens_2d(x)
+    return self.down_proj(gelu_tanh(self.gate_proj(flat)) * self.up_proj(flat)).reshape(x.shape)
 
 
 class Router(nnx.Module):
@@ -204,8 +216,11 @@ def moe_tile_rows(assignments: int, num_experts: int, hidden: int) -> int:
 
   Measured on XLA:CPU (forward and gradient, hidden 128..512, 4-8 experts, 81..2592 tokens): 64 once the experts
   are wide (hidden >= 256) and get >= 128 rows each on average, else 32 (smaller tiles lose more to per-tile
-  overhead, larger ones to padding: up to `E * (tile - 1)` rows).
+  overhead, larger ones to padding: up to `E * (tile - 1)` rows). 128 once every expert gets >= 1024 rows on
+  average (the Sudoku training step: 5,184 encoder tokens, 4 experts; its step time 1.03 s -> 0.93 s).
   """
+  if assignments >= 1024 * num_experts:
+    return 128
   return 64 if hidden >= 256 and assignments >= 128 * num_experts else 32
 
 

@@ -115,7 +115,7 @@ class DiffusionGemma(nnx.Module):
   def lm_logits(self, hidden: Array) -> Array:
     """hidden [B, L, H] (final-normed) -> soft-capped fp32 logits [B, L, V] through the tied embedding."""
     w = self.embed_tokens[...].astype(self.dtype)
-    logits = jnp.einsum("blh,vh->blv", hidden, w).astype(jnp.float32)
+    logits = (layers.tokens_2d(hidden) @ w.T).reshape(*hidden.shape[:-1], -1).astype(jnp.float32)  # [B, L, V]
     cap = self.config.final_logit_softcapping
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
@@ -124,7 +124,8 @@ class DiffusionGemma(nnx.Module):
     w = self.embed_tokens[...]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(w.dtype)
     scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype).astype(self.dtype)
-    return (jnp.einsum("bcv,vh->bch", probs, w).astype(self.dtype) * scale)
+    soft = (layers.tokens_2d(probs) @ w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
+    return soft.astype(self.dtype) * scale
 
   def _rope(self, positions: Array) -> dict[str, tuple[Array, Array]]:
     cfg = self.config

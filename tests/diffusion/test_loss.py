@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import hackable_diffusion as hd
 from hackable_diffusion.data.sft import SFTBatch
-from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss, draw_noise, uniform_elbo_integrand
+from hackable_diffusion.diffusion.loss import (LossConfig, cross_entropy, diffusion_loss, draw_noise,
+                                               uniform_elbo_integrand)
 
 C, P, N = 4, 5, 3  # canvas, prompt width, canvases per completion
 
@@ -171,3 +172,26 @@ def test_pinned_tokens_are_never_corrupted_and_not_in_the_loss(setup):
   assert float(f(noise)) == float(f(other))
   unpinned = noise.__class__(**{**noise.__dict__, "pinned": jnp.zeros_like(noise.pinned)})
   assert float(f(unpinned)) != float(f(noise))
+
+
+def test_cross_entropy_value_and_gradient_equal_torch():
+  """`cross_entropy` has a hand-written gradient (softmax - onehot): value and gradient against torch autograd,
+  with large logits (stability) and per-position weights (the upstream gradient is not all ones)."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(0, 4, (3, 7, 50)).astype(np.float32)
+  logits[0, 0, 5] = 80.0  # a saturated row
+  targets = rng.integers(0, 50, (3, 7))
+  weights = rng.uniform(0, 2, (3, 7)).astype(np.float32)
+
+  def ours(x):
+    return jnp.sum(cross_entropy(x, jnp.asarray(targets)) * weights)
+
+  value, grad = jax.value_and_grad(ours)(jnp.asarray(logits))
+  x = torch.tensor(logits, requires_grad=True)
+  ce = F.cross_entropy(x.reshape(-1, 50), torch.tensor(targets).reshape(-1), reduction="none")
+  ref = (ce * torch.tensor(weights).reshape(-1)).sum()
+  ref.backward()
+  np.testing.assert_allclose(float(value), float(ref), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(ours))(jnp.asarray(logits))), x.grad.numpy(), rtol=1e-5,
+                             atol=1e-6)
