@@ -20,9 +20,14 @@ recipe), so the decoder's prefix is the prompt and every row decodes canvas 0 (t
 per batch).
 
 Tokens per step = encoder tokens + decoder canvas tokens = B * (P + C) + B * C (the decoder runs two forward
-passes and one backward over its canvas; it is counted once). Steps of the two sides are interleaved (one ours,
-one torch, ...) so that load on a shared machine hits both alike; the median step time is reported, and the
-ratio is torch time / our time. Our compile time (`lower().compile()` of the whole step) is excluded from the
+passes and one backward over its canvas; it is counted once). The two sides run in alternating blocks
+(`--block=3`: per round, one untimed step of ours then 3 timed ones, then the same for torch; rounds until
+`--steps` timed steps per side), so that load on a shared machine hits both alike while each side is measured
+in its own steady state: right after the other library's step, a step of either side is slower (measured at
+~100M: ours 10.3-13 s instead of 7.8 s, torch 6.7-7.6 s instead of 6.3 s; both libraries allocate and free GBs
+per step, and the first step after a switch pays for the other's memory state). `--block=0` interleaves single
+steps (one ours, one torch, ...; every step timed) and shows that cost. The median step time is reported, and
+the ratio is torch time / our time. Our compile time (`lower().compile()` of the whole step) is excluded from the
 throughput and reported separately. Threads: torch's default (`torch.get_num_threads()`), XLA's default;
 `--cpus=0` pins the process to one core first, so that both run one thread (torch's OpenMP step time swings by
 10x on a shared 2-core machine: see docs/benchmarks.md). `--profile` adds a table of the steps' pieces.
@@ -360,14 +365,14 @@ def profile_pieces(size: Size, ours, ref, batch: SFTBatch, key, rounds: int) -> 
 
 # ---------------------------------------------------------------------------------------------------- main
 def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check_tol: float,
-             threads: str) -> tuple[str, dict]:
+             threads: str, block: int) -> tuple[str, dict]:
   import torch
 
   ours, ref = build_pair(size, workdir)
   batch = make_batch(size)
   cfg = size.model
   lc = loss_config()
-  keys = [jax.random.key(1000 + i) for i in range(warmup + steps)]
+  keys = [jax.random.key(1000 + i) for i in range(warmup + 2 * steps + 1)]  # enough for the untimed block steps
   noises = [torch_inputs(batch, draw_noise(k, batch, cfg.canvas_length, cfg.vocab_size, lc)) for k in keys]
   compiled, state, compile_s, _, _ = make_our_step(ours, batch, keys[0])
   flops = flops_of(compiled)
@@ -388,18 +393,37 @@ def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check
     jax.block_until_ready(state)
     torch_step(noises[i])
 
-  t_ours, t_torch, loads = [], [], []
-  for i in range(warmup, warmup + steps):
+  def ours_step(i: int) -> float:
+    nonlocal state
     start = time.perf_counter()
     state, metrics = compiled(state, batch, keys[i])
     jax.block_until_ready((state, metrics))
-    t_ours.append(time.perf_counter() - start)
+    return time.perf_counter() - start
+
+  def ref_step(i: int) -> float:
     start = time.perf_counter()
     torch_step(noises[i])
-    t_torch.append(time.perf_counter() - start)
-    loads.append(os.getloadavg()[0])
-    print(f"[{name}] step {i - warmup + 1}/{steps}: ours {t_ours[-1]:.3f}s torch {t_torch[-1]:.3f}s "
-          f"(load {loads[-1]:.1f})", flush=True)
+    return time.perf_counter() - start
+
+  t_ours, t_torch, loads = [], [], []
+  if block == 0:  # single steps, interleaved, all timed
+    for i in range(warmup, warmup + steps):
+      t_ours.append(ours_step(i))
+      t_torch.append(ref_step(i))
+      loads.append(os.getloadavg()[0])
+      print(f"[{name}] step {i - warmup + 1}/{steps}: ours {t_ours[-1]:.3f}s torch {t_torch[-1]:.3f}s "
+            f"(load {loads[-1]:.1f})", flush=True)
+  else:  # alternating blocks: one untimed step, then `block` timed ones, per side
+    i = warmup
+    while len(t_ours) < steps:
+      n = min(block, steps - len(t_ours))
+      for side, fn, times in (("ours", ours_step, t_ours), ("torch", ref_step, t_torch)):
+        first = fn(i)
+        times.extend(fn(i + 1 + j) for j in range(n))
+        loads.append(os.getloadavg()[0])
+        print(f"[{name}] {side}: untimed {first:.3f}s, timed " + " ".join(f"{t:.3f}s" for t in times[-n:])
+              + f" (load {loads[-1]:.1f})", flush=True)
+      i += n + 1
   tok = tokens_per_step(size)
   mo, mt = statistics.median(t_ours), statistics.median(t_torch)
   eff = f"{flops / mo / 1e9:.1f}" if flops else "n/a"
@@ -414,7 +438,9 @@ def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sizes", default="sudoku,100m", help=f"comma-separated, of {sorted(SIZES)}")
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per side (interleaved)")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+  parser.add_argument("--block", type=int, default=3,
+                      help="timed steps per side per round, after one untimed step (0: interleave single steps)")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side (the first is the parity check)")
   parser.add_argument("--smoke", action="store_true", help="micro config, 2 timed steps (for the tests)")
   parser.add_argument("--profile", action="store_true", help="also time encoder / whole loss / optimizer pieces")
@@ -437,8 +463,8 @@ def main(argv=None) -> int:
   for s in sizes:
     if s not in SIZES:
       parser.error(f"unknown size {s!r}; expected one of {sorted(SIZES)}")
-  if args.steps < 1 or args.warmup < 1:
-    parser.error("--steps and --warmup must be >= 1")
+  if args.steps < 1 or args.warmup < 1 or args.block < 0:
+    parser.error("--steps and --warmup must be >= 1, --block >= 0")
 
   import torch
 
@@ -447,6 +473,7 @@ def main(argv=None) -> int:
         f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
   threads = f"{torch.get_num_threads()}" + (f" (cpus {args.cpus})" if args.cpus else "")
+  schedule = f"blocks of {args.block}" if args.block else "interleaved"
   header = ("| size | params | batch | tokens/step | torch threads | ours tok/s | torch tok/s | ratio (median) "
             "| ratio (best) | our compile s | our GFLOP/s (XLA count) | load avg |")
   rows, prof_rows = [], []
@@ -454,7 +481,7 @@ def main(argv=None) -> int:
                  "|" + "---|" * 7]
 
   def tables() -> str:
-    out = "\n".join([header, "|" + "---|" * 12, *rows])
+    out = "\n".join([f"timed steps: {schedule}", "", header, "|" + "---|" * 12, *rows])
     if prof_rows:
       out += "\n\n" + "\n".join([*prof_header, *prof_rows])
     return out
@@ -462,7 +489,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as workdir:
     for name in sizes:
       row, info = run_size(name, SIZES[name], args.steps, args.warmup, os.path.join(workdir, name), args.check_tol,
-                           threads)
+                           threads, args.block)
       rows.append(row)
       if args.profile:
         new = profile_pieces(SIZES[name], info["ours"], info["ref"], info["batch"], info["key"], args.profile_rounds)

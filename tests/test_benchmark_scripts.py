@@ -55,3 +55,15 @@ def test_benchmark_smoke(script):
   if script == "benchmark_train.py":
     # the two train steps were checked to compute the same loss and gradient norm before timing
     assert re.search(r"parity, step 0: loss ours \S+ torch \S+", proc.stdout), proc.stdout[-3000:]
+
+
+def test_profile_train_step_lists_thunks_of_the_compiled_step():
+  """The profiler script joins the trace's thunks with the compiled HLO: rows name real instructions with shapes."""
+  env = dict(os.environ)
+  env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "profile_train_step.py"), "--size=micro",
+                         "--top=5"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  rows = [line for line in proc.stdout.splitlines() if re.match(r"\| [\w.\-]+ \| [\d,.]+ \| \d+ \| (\(|[a-z]+\d*\[)", line)]
+  assert len(rows) == 5, proc.stdout[-3000:]
+  assert re.search(r"\| matmul \| \d", proc.stdout), proc.stdout[-3000:]
