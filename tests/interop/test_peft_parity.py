@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +148,8 @@ def _peft_made_adapter(out_dir: str, *, tie: bool, **hf_kw) -> None:
   with torch.no_grad():
     for name, p in params.items():
       if "lora_" in name:
-        p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(abs(hash(name)) % 2**31)))
+        # crc32, not hash(): str hashes change per process (PYTHONHASHSEED), and so would the weights
+        p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
     if tie:  # our model has one set of weights: the encoder copy must equal the decoder copy
       for name, p in params.items():
         if "lora_" in name and ".encoder.language_model." in name:
