@@ -13,8 +13,9 @@ Two choices differ from the pure architecture and recipe, each measured (docs/su
   configs/sudoku_pure.py trains the exportable pure architecture.
 - the givens are pinned (`data.pinned_field`): never corrupted in training, fixed at sampling (infilling).
 
-Measured on an idle 2-core CPU: 23.4 min wall time in all (1,600 steps at ~0.7 s per step of 32 puzzles, ~4.5 min
-of evaluation), 61% of easy + medium test puzzles solved (85% / 37%) at 64 steps (README, docs/sudoku.md).
+Measured on an idle 2-core CPU: 19.8 min wall time in all (1,600 steps at ~0.59 s per step of 32 puzzles, ~3.5 min
+of evaluation), 76% of easy + medium test puzzles solved (93% / 59%) at 64 steps; an earlier run of the same config
+reached 61% (run-to-run spread; README, docs/sudoku.md).
 Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the same recipe
 sized for one GPU.
 """
