@@ -91,19 +91,22 @@ def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: 
   return NoisedCanvas(index, t, clean, noisy, valid, corrupted, use_sc, pinned)
 
 
-@jax.custom_vjp
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """logits [..., V] fp32, targets [...] int -> per-position CE `logsumexp(logits) - logits[target]` [...].
+  """logits [..., V], targets [...] int -> per-position CE `logsumexp(logits) - logits[target]` [...] in fp32.
 
   The gradient `g * (softmax(logits) - onehot(target))` is written out (one fused pass over the logits): autodiff
   of log_softmax + take_along_axis materialises a scattered one-hot, the softmax and their sum as separate
   `[..., V]` arrays, which at a 32k vocabulary is memory traffic the size of several matmuls on CPU.
   """
+  return _cross_entropy_fp32(logits.astype(jnp.float32), targets)  # the cast's own gradient restores the dtype
+
+
+@jax.custom_vjp
+def _cross_entropy_fp32(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return _cross_entropy_fwd(logits, targets)[0]
 
 
 def _cross_entropy_fwd(logits: jax.Array, targets: jax.Array):
-  logits = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)  # [...]
   target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return lse - target_logit, (logits, targets, lse)
@@ -116,7 +119,7 @@ def _cross_entropy_bwd(residuals, g: jax.Array):
   return d_logits, None
 
 
-cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_cross_entropy_fp32.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def uniform_elbo_integrand(logits: jax.Array, clean: jax.Array, noisy: jax.Array, alpha: jax.Array,

@@ -195,3 +195,7 @@ def test_cross_entropy_value_and_gradient_equal_torch():
   np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(ours))(jnp.asarray(logits))), x.grad.numpy(), rtol=1e-5,
                              atol=1e-6)
+  # bf16 logits: the gradient comes back in bf16 (a custom VJP must return the primal's dtype)
+  bf16 = jax.grad(ours)(jnp.asarray(logits, jnp.bfloat16))
+  assert bf16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(bf16, np.float32), x.grad.numpy(), atol=0.05)
