@@ -52,8 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(dict(
       generator="sudoku",  # hackable_diffusion.tasks.sudoku.task.SudokuTask writes train/validation/test JSONL
       generator_args=ml_collections.ConfigDict(dict(
-          num_train=NUM_TRAIN, num_validation=500, num_test=500, seed=0, easy=BUCKETS[0], medium=BUCKETS[1], hard=BUCKETS[2],
-          workers=2)),
+          num_train=NUM_TRAIN, num_validation=500, num_test=500, seed=0,
+          easy=BUCKETS[0], medium=BUCKETS[1], hard=BUCKETS[2], workers=2)),
       train_path="",
       validation_path="",
       prompt_field="prompt",

@@ -647,5 +647,5 @@ def train(config: ExperimentConfig | ml_collections.ConfigDict | Mapping[str, An
 
 
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "SFTTrainer", "apply_lora", "build_model", "build_model_config",
-           "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard", "eval_task", "evaluate_model", "load_eval_data", "load_run",
-           "load_run_tokenizer", "make_run_mesh", "sft_data_config", "train"]
+           "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard", "eval_task", "evaluate_model",
+           "load_eval_data", "load_run", "load_run_tokenizer", "make_run_mesh", "sft_data_config", "train"]

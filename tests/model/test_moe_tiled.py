@@ -112,6 +112,20 @@ def test_tile_sizes(tile_rows):
     assert_close(b, a, name)
 
 
+def test_default_tile_rows_on_large_groups_match_dense():
+  """At the size where `moe_tile_rows` picks 128-row tiles (every expert >= 1,024 rows on average: the Sudoku
+  training step), the default tiled path still equals the dense function (value and gradients)."""
+  num_experts, top_k, tokens = 4, 2, 2100
+  assert layers.moe_tile_rows(tokens * top_k, num_experts, H) == 128
+  assert layers.moe_tile_rows(2000 * top_k, num_experts, H) == 32  # below the threshold: the small-hidden default
+  weights, idx = skewed_routing(tokens, top_k, num_experts, seed=3)
+  x = jax.random.normal(jax.random.key(4), (tokens, H))
+  dense = value_and_grads(make_experts(num_experts, "dense"), x, weights, idx)
+  tiled = value_and_grads(make_experts(num_experts, "tiled"), x, weights, idx)
+  for name, a, b in zip(("out", "d_x", "d_weights", "d_gate_up", "d_down"), dense, tiled):
+    assert_close(b, a, name)
+
+
 def test_layout():
   """Each expert's group starts a tile; the slab has the static bound; padding rows read the out-of-range token."""
   tokens, top_k, num_experts, tile = 13, 2, 4, 4
