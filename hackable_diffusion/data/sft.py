@@ -32,10 +32,7 @@ from absl import logging
 from flax import struct
 
 from hackable_diffusion.data.tokenizer import Tokenizer
-
-
-class DataError(ValueError):
-  """A problem with a data file; the message is one line naming the file (and line, where known)."""
+from hackable_diffusion.errors import DataError
 
 
 # ------------------------------------------------------------------------------------------ config

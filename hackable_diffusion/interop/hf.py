@@ -27,16 +27,13 @@ from safetensors.numpy import save_file
 
 from hackable_diffusion.model.config import TINY_VISION_CONFIG, ConfigError, ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
+from hackable_diffusion.errors import CheckpointError
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _ENCODER_LAYERS = "model.encoder.language_model."
 _DEC = "model.decoder."
-
-
-class CheckpointError(ValueError):
-  """A checkpoint on disk is missing, malformed, or does not match the model."""
 
 
 # ---- name mapping ---------------------------------------------------------------------------------------------

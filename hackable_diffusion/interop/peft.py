@@ -31,6 +31,7 @@ from flax import nnx
 
 from hackable_diffusion.interop.hf import CheckpointError, _hf_name
 from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, _get, apply_lora,
+from hackable_diffusion.errors import AdapterError
                                               has_lora, lora_modules, targetable)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -40,10 +41,6 @@ _DEC = "model.decoder."
 _DEC_LAYERS = "model.decoder.layers."
 _ENC_LAYERS = "model.encoder.language_model.layers."
 _BASE = ".base_layer"
-
-
-class AdapterError(CheckpointError):
-  """A PEFT adapter on disk is missing, malformed, unsupported, or does not fit the model."""
 
 
 # ---- names ------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 from typing import Any
+from hackable_diffusion.errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -19,10 +20,6 @@ _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _DTYPES = ("float32", "bfloat16", "float16")
 _MOE_IMPLS = ("tiled", "dense", "ragged")
-
-
-class ConfigError(ValueError):
-  """A model configuration value is invalid or unsupported."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

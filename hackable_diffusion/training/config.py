@@ -39,14 +39,11 @@ from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.interop.hf import CheckpointError
 from hackable_diffusion.model.config import ConfigError, ModelConfig
 from hackable_diffusion.training.optimizer import OptimizerConfig
+from hackable_diffusion.errors import TrainingError
 
 CONFIG_FILENAME = "config.json"
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora", "mesh")
-
-
-class TrainingError(ValueError):
-  """Training cannot go on (e.g. the loss became non-finite); the message is one line."""
 
 
 # ---- sections ---------------------------------------------------------------------------------------------------
