@@ -8,7 +8,7 @@ trains a char tokenizer on them, trains the scaled-down DiffusionGemma (`sudoku`
 evaluates on 300 held-out test puzzles at several denoising-step budgets and with early stopping.
 
 Two choices differ from the pure architecture and recipe, each measured (docs/sudoku.md):
-- `attention_structure='sudoku_peers'`: canvas cells attend only to their row/column/box peers (and the whole
+- `attention_structure=STRUCTURE`: canvas cells attend only to their row/column/box peers (and the whole
   prompt). At CPU budgets structure decides the result. A model with it cannot be exported to transformers/vLLM;
   configs/sudoku_pure.py trains the exportable pure architecture.
 - the givens are pinned (`data.pinned_field`): never corrupted in training, fixed at sampling (infilling).
@@ -21,8 +21,9 @@ sized for one GPU.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
-STRUCTURE = "sudoku_peers"
+STRUCTURE = "hackable_diffusion.tasks.sudoku.structure:peer_mask"  # SudokuTask().attention_structure()
 NUM_TRAIN = 30_000
 STEPS = 1600
 BATCH = 32
@@ -68,7 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
       on_malformed="error",  # or 'skip'
       shuffle=True,
       prefetch_batches=2,
-      pinned_field="pinned",  # the givens: never corrupted in training, pinned at sampling. JSON key of a '0'/'1' string of completion tokens known at sampling time (infilling)
+      # the givens: never corrupted in training, pinned at sampling. JSON key of a '0'/'1' string of
+      # completion tokens known at sampling time (infilling)
+      pinned_field="pinned",
   ))
 
   # The SFT objective (REFERENCE §3).
@@ -117,11 +120,12 @@ def get_config() -> ml_collections.ConfigDict:
       step_budgets=(8, 16, 32, 64),
       early_stopping_steps=64,
       max_new_tokens=0,  # 0 = max_canvases * canvas_length
-      entropy_bound=0.1,
-      t_min=T_MIN,
-      t_max=T_MAX,
-      stability_threshold=1,
-      confidence_threshold=0.005,
+      # the sampler of every evaluation run (hd.SamplingConfig; each run sets its own step cap / early stopping)
+      sampling=ml_collections.ConfigDict(dict(
+          entropy_bound=0.1, t_min=T_MIN, t_max=T_MAX, stability_threshold=1,
+          confidence_threshold=0.005,
+          acceptance="entropy_bound",  # or 'top_k' / 'confidence_threshold' / 'package.module:Rule'
+      )),
       seed=0,
       num_samples=8,
       # one extra 32-step run each: without pinning the givens (the canvas starts from noise and every cell may
@@ -138,7 +142,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
   config.mesh = ml_collections.ConfigDict(dict(
       data=1, fsdp=1, tensor=1, expert=1,
-      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      # multi-host; unset = from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID
+      coordinator_address=config_dict.placeholder(str), num_processes=config_dict.placeholder(int),
+      process_id=config_dict.placeholder(int),
       auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
   ))
   return config

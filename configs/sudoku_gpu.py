@@ -9,8 +9,9 @@ project's CPU-only CI; see docs/sudoku.md.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
-STRUCTURE = "sudoku_peers"
+STRUCTURE = "hackable_diffusion.tasks.sudoku.structure:peer_mask"  # SudokuTask().attention_structure()
 NUM_TRAIN = 200_000
 STEPS = 20_000
 BATCH = 256
@@ -59,7 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
       on_malformed="error",  # or 'skip'
       shuffle=True,
       prefetch_batches=2,
-      pinned_field="pinned",  # the givens: never corrupted in training, pinned at sampling. JSON key of a '0'/'1' string of completion tokens known at sampling time (infilling)
+      # the givens: never corrupted in training, pinned at sampling. JSON key of a '0'/'1' string of
+      # completion tokens known at sampling time (infilling)
+      pinned_field="pinned",
   ))
 
   # The SFT objective (REFERENCE §3).
@@ -108,11 +111,12 @@ def get_config() -> ml_collections.ConfigDict:
       step_budgets=(8, 16, 32, 64),
       early_stopping_steps=64,
       max_new_tokens=0,  # 0 = max_canvases * canvas_length
-      entropy_bound=0.1,
-      t_min=T_MIN,
-      t_max=T_MAX,
-      stability_threshold=1,
-      confidence_threshold=0.005,
+      # the sampler of every evaluation run (hd.SamplingConfig; each run sets its own step cap / early stopping)
+      sampling=ml_collections.ConfigDict(dict(
+          entropy_bound=0.1, t_min=T_MIN, t_max=T_MAX, stability_threshold=1,
+          confidence_threshold=0.005,
+          acceptance="entropy_bound",  # or 'top_k' / 'confidence_threshold' / 'package.module:Rule'
+      )),
       seed=0,
       num_samples=8,
       # one extra 32-step run each: without pinning the givens (the canvas starts from noise and every cell may
@@ -131,7 +135,9 @@ def get_config() -> ml_collections.ConfigDict:
   # them); train.batch_size must be a multiple of data x fsdp x expert.
   config.mesh = ml_collections.ConfigDict(dict(
       data=1, fsdp=1, tensor=1, expert=1,
-      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      # multi-host; unset = from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID
+      coordinator_address=config_dict.placeholder(str), num_processes=config_dict.placeholder(int),
+      process_id=config_dict.placeholder(int),
       auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
   ))
   return config

@@ -3,12 +3,13 @@
   python -m hackable_diffusion.train --config=configs/tiny.py --workdir=runs/tiny
 
 The data are generated into workdir/data (5,000 training and 256 validation strings, see
-`hackable_diffusion.evaluation.tasks.DigitsTask`); the tokenizer is a character model trained on them
+`hackable_diffusion.tasks.text.DigitsTask`); the tokenizer is a character model trained on them
 (14 tokens: pad, eos, bos, unk and the ten digits), and the model's vocabulary follows it. Any key can be
 overridden on the command line, e.g. `--config.train.steps=300 --config.data.generator_args.op=reverse`.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -31,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: a built-in generator writes train/validation JSONL into workdir/data.
   config.data = ml_collections.ConfigDict(dict(
-      generator="digits",  # a task of hackable_diffusion.evaluation.tasks.TASKS ('' = use train_path)
+      generator="digits",  # hackable_diffusion.tasks.base.BUILTIN_TASKS or "module:factory" ('' = use train_path)
       generator_args=ml_collections.ConfigDict(dict(
           op="sort", length=7, num_train=5000, num_validation=256, seed=0)),
       train_path="",
@@ -96,11 +97,12 @@ def get_config() -> ml_collections.ConfigDict:
       step_budgets=(2, 4, 8, 16),
       early_stopping_steps=16,
       max_new_tokens=0,  # 0 = max_canvases * canvas_length
-      entropy_bound=0.1,
-      t_min=0.4,
-      t_max=0.8,
-      stability_threshold=1,
-      confidence_threshold=0.005,
+      # the sampler of every evaluation run (hd.SamplingConfig; each run sets its own step cap / early stopping)
+      sampling=ml_collections.ConfigDict(dict(
+          entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
+          confidence_threshold=0.005,
+          acceptance="entropy_bound",  # or 'top_k' / 'confidence_threshold' / 'package.module:Rule'
+      )),
       seed=0,
       num_samples=8,
   ))
@@ -110,7 +112,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
   config.mesh = ml_collections.ConfigDict(dict(
       data=1, fsdp=1, tensor=1, expert=1,
-      coordinator_address="", num_processes=0, process_id=-1,  # multi-host; '' / 0 / -1 = from $JAX_* env vars
+      # multi-host; unset = from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID
+      coordinator_address=config_dict.placeholder(str), num_processes=config_dict.placeholder(int),
+      process_id=config_dict.placeholder(int),
       auto_distributed=False,  # let JAX detect a TPU pod / SLURM / Open MPI cluster
   ))
   return config

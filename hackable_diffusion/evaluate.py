@@ -13,7 +13,8 @@ import os
 
 from absl import flags
 
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion import cli
+from hackable_diffusion.errors import ConfigError
 
 # --config is defined by the flags parser: from --config=FILE, or from <workdir>/config.json when absent.
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
@@ -23,18 +24,18 @@ _OUT = flags.DEFINE_string("out", None, "Directory for the report and plot (defa
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    raise ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
   if not _WORKDIR.value:
-    raise config_lib.ConfigError("--workdir is required (a directory written by hackable_diffusion.train)")
+    raise ConfigError("--workdir is required (a directory written by hackable_diffusion.train)")
   if not os.path.isdir(_WORKDIR.value):
-    raise config_lib.ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
+    raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
   from hackable_diffusion.evaluation import loop
-  from hackable_diffusion.training import trainer
+  from hackable_diffusion.training import run as run_lib
 
-  run = trainer.load_run(_WORKDIR.value, flags.FLAGS.config, _STEP.value)
-  data = trainer.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
-  out_dir = _OUT.value or os.path.join(_WORKDIR.value, trainer.EVAL_DIR)
-  report = trainer.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step, out_dir=out_dir)
+  run = run_lib.load_run(_WORKDIR.value, flags.FLAGS.config, _STEP.value)
+  data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
+  out_dir = _OUT.value or os.path.join(_WORKDIR.value, run_lib.EVAL_DIR)
+  report = run_lib.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step, out_dir=out_dir)
   print(f"step {run.step}, task {report['task']}, {report['num_examples']} examples:")
   for line in loop.summary_lines(report):
     print(line)
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  config_lib.run_cli(main, flags_parser=config_lib.make_flags_parser(workdir_default=True))
+  cli.run_cli(main, flags_parser=cli.make_flags_parser(workdir_default=True))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import os
 
 from absl import flags
 
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion import cli
+from hackable_diffusion.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
@@ -39,28 +40,29 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file or directory
 def _source() -> dict:
   """The model to export and what goes with it: model, base, tokenizer, vision source, generation defaults."""
   if bool(_WORKDIR.value) == bool(_CHECKPOINT.value):
-    raise config_lib.ConfigError("give exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
+    raise ConfigError("give exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
   if _WORKDIR.value:
     if _ADAPTER.value:
-      raise config_lib.ConfigError("--adapter goes with --checkpoint; a workdir carries its own adapters")
+      raise ConfigError("--adapter goes with --checkpoint; a workdir carries its own adapters")
     if not os.path.isdir(_WORKDIR.value):
-      raise config_lib.ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
+      raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
     from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME
-    from hackable_diffusion.training import trainer
+    from hackable_diffusion.training import run as run_lib
 
-    run = trainer.load_run(_WORKDIR.value, step=_STEP.value)
+    run = run_lib.load_run(_WORKDIR.value, step=_STEP.value)
     cfg = run.config
     canvas = run.model.config.canvas_length
+    sampling = cfg.eval.sampling
     defaults = dict(max_new_tokens=cfg.eval.max_new_tokens or cfg.data.max_canvases * canvas,
-                    max_denoising_steps=cfg.eval.early_stopping_steps, entropy_bound=cfg.eval.entropy_bound,
-                    t_min=cfg.eval.t_min, t_max=cfg.eval.t_max, stability_threshold=cfg.eval.stability_threshold,
-                    confidence_threshold=cfg.eval.confidence_threshold)
+                    max_denoising_steps=cfg.eval.early_stopping_steps, entropy_bound=sampling.entropy_bound,
+                    t_min=sampling.t_min, t_max=sampling.t_max, stability_threshold=sampling.stability_threshold,
+                    confidence_threshold=sampling.confidence_threshold)
     tokenizer = os.path.join(_WORKDIR.value, TOKENIZER_FILENAME)
     return dict(model=run.model, base=cfg.model.checkpoint or None, tokenizer=tokenizer if os.path.isfile(tokenizer)
                 else None, vision=cfg.model.checkpoint or None, defaults=defaults,
                 what=f"{_WORKDIR.value} step {run.step}", preset=cfg.model.preset)
   if _STEP.value is not None:
-    raise config_lib.ConfigError("--step goes with --workdir")
+    raise ConfigError("--step goes with --workdir")
   from hackable_diffusion.interop import export as export_lib
   from hackable_diffusion.interop.hf import load_pretrained
 
@@ -73,11 +75,11 @@ def _source() -> dict:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    raise ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
   if not _OUT.value:
-    raise config_lib.ConfigError("--out is required (the directory to write)")
+    raise ConfigError("--out is required (the directory to write)")
   if not _FORMAT.value:
-    raise config_lib.ConfigError("--format is required: 'peft' (adapter files) or 'merged' (a full checkpoint)")
+    raise ConfigError("--format is required: 'peft' (adapter files) or 'merged' (a full checkpoint)")
   from hackable_diffusion.interop import export as export_lib
   from hackable_diffusion.lora import has_lora
 
@@ -85,10 +87,10 @@ def main(argv: list[str]) -> None:
   tokenizer = _TOKENIZER.value or src["tokenizer"]
   if _FORMAT.value == "peft":
     if not has_lora(src["model"]):
-      raise config_lib.ConfigError(f"{src['what']} has no LoRA adapters; use --format=merged")
+      raise ConfigError(f"{src['what']} has no LoRA adapters; use --format=merged")
     base = _BASE.value or src["base"]
     if not base:
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f"{src['what']} was trained from preset {src['preset']!r}, not a HF checkpoint, so there is no base "
           "model for a PEFT adapter; pass --base_model=... (a HF directory with that base) or use --format=merged")
     written = export_lib.export_peft(src["model"], _OUT.value, base, tokenizer_path=tokenizer)
@@ -104,7 +106,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  config_lib.run_cli(main)
+  cli.run_cli(main)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from typing import Any
 
 from absl import flags
 
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion import cli
+from hackable_diffusion.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A HF DiffusionGemma directory (instead of --workdir).")
@@ -38,29 +39,32 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _LIVE = flags.DEFINE_bool("live", False, "Print the argmax canvas after every denoising step.")
 
 
-def _settings(run_cfg: Any) -> dict[str, Any]:
-  ev = run_cfg.eval if run_cfg is not None else None
-  out = dict(
-      max_denoising_steps=_STEPS.value or (ev.early_stopping_steps if ev else 48),
-      entropy_bound=_ENTROPY.value if _ENTROPY.value is not None else (ev.entropy_bound if ev else 0.1),
-      t_min=_T_MIN.value if _T_MIN.value is not None else (ev.t_min if ev else 0.4),
-      t_max=_T_MAX.value if _T_MAX.value is not None else (ev.t_max if ev else 0.8),
-      early_stopping=_EARLY.value,
-  )
-  if ev is not None:
-    out.update(stability_threshold=ev.stability_threshold, confidence_threshold=ev.confidence_threshold)
-  return out
+def _sampling_config(run_cfg: Any, max_new_tokens: int) -> Any:
+  """The run's evaluation sampler (`eval.sampling`; defaults without a run) with the command line's changes."""
+  from hackable_diffusion.sampling.config import SamplingConfig
+
+  base = run_cfg.eval.sampling if run_cfg is not None else SamplingConfig()
+  changes: dict[str, Any] = dict(
+      max_new_tokens=max_new_tokens, early_stopping=_EARLY.value,
+      max_denoising_steps=_STEPS.value or (run_cfg.eval.early_stopping_steps if run_cfg is not None else 48))
+  for flag, name in ((_ENTROPY, "entropy_bound"), (_T_MIN, "t_min"), (_T_MAX, "t_max")):
+    if flag.value is not None:
+      changes[name] = flag.value
+  try:
+    return base.replace(**changes)
+  except ValueError as e:
+    raise ConfigError(" ".join(str(e).split())) from None
 
 
 def _load() -> tuple[Any, Any, Any]:
   """(model, tokenizer, ExperimentConfig or None)."""
   from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME
-  from hackable_diffusion.training import trainer
+  from hackable_diffusion.training import run as run_lib
 
   if bool(_WORKDIR.value) == bool(_CHECKPOINT.value):
-    raise config_lib.ConfigError("pass exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
+    raise ConfigError("pass exactly one of --workdir (a training run) and --checkpoint (a HF directory)")
   if _WORKDIR.value:
-    run = trainer.load_run(_WORKDIR.value, None, _STEP.value)
+    run = run_lib.load_run(_WORKDIR.value, None, _STEP.value)
     tokenizer = run.tokenizer
     if _TOKENIZER.value:
       tokenizer = _load_tokenizer(_TOKENIZER.value)
@@ -79,7 +83,7 @@ def _load_tokenizer(path: str):
   try:
     return Tokenizer.load(path)
   except (FileNotFoundError, ValueError) as e:
-    raise config_lib.ConfigError(f"tokenizer: {e} (pass --tokenizer=PATH)") from None
+    raise ConfigError(f"tokenizer: {e} (pass --tokenizer=PATH)") from None
 
 
 def _encode(tokenizer: Any, text: str, run_cfg: Any) -> list[int]:
@@ -89,7 +93,7 @@ def _encode(tokenizer: Any, text: str, run_cfg: Any) -> list[int]:
   if run_cfg is not None and run_cfg.data.add_bos and tokenizer.bos_id >= 0:
     ids = [tokenizer.bos_id] + ids
   if not ids:
-    raise config_lib.ConfigError("the prompt is empty after tokenization")
+    raise ConfigError("the prompt is empty after tokenization")
   unknown = sum(i == tokenizer.unk_id for i in ids)
   if unknown:
     print(f"warning: {unknown} prompt token(s) are unknown to the tokenizer", file=sys.stderr)
@@ -111,7 +115,6 @@ def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed
   import jax
   import numpy as np
 
-  from hackable_diffusion.sampling.config import SamplingConfig
   from hackable_diffusion.sampling.generate import generate
 
   encoded = [_encode(tokenizer, p, run_cfg) for p in prompts]
@@ -123,10 +126,7 @@ def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed
     mask[i, width - len(e):] = True
   max_new = _MAX_NEW.value or (run_cfg.eval.max_new_tokens or run_cfg.data.max_canvases * model.config.canvas_length
                                if run_cfg is not None else 256)
-  try:
-    config = SamplingConfig(max_new_tokens=max_new, **_settings(run_cfg))
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from None
+  config = _sampling_config(run_cfg, max_new)
   out = generate(model, ids, config, rng=jax.random.key(seed), attention_mask=mask, callback=callback)
   seqs = np.asarray(out.sequences)[:, width:]
   steps = np.asarray(out.denoising_steps)
@@ -138,7 +138,7 @@ def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    raise ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
   model, tokenizer, run_cfg = _load()
   callback = live_view(tokenizer) if _LIVE.value else None
   if _PROMPT.value:
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  config_lib.run_cli(main)
+  cli.run_cli(main)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion import cli
+from hackable_diffusion.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); override any "
                                           "key with --config.section.key=value.", lock_config=True)
@@ -31,9 +32,9 @@ def default_workdir(config_path: str) -> str:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise config_lib.ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    raise ConfigError(f"unexpected arguments {argv[1:]}; flags look like --name=value")
   if _CONFIG.value is None:
-    raise config_lib.ConfigError("--config is required, e.g. --config=configs/tiny.py")
+    raise ConfigError("--config is required, e.g. --config=configs/tiny.py")
   from hackable_diffusion.training import trainer  # local: keeps --help fast
 
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  config_lib.run_cli(main, flags_parser=config_lib.make_flags_parser())
+  cli.run_cli(main, flags_parser=cli.make_flags_parser())
 
 
 if __name__ == "__main__":

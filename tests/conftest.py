@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
+
+# Components defined in tests (tests/custom_components.py) are named by 'module:attribute' specs: importable in any
+# pytest import mode.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Tests run tiny models, where XLA's CPU compile time dominates: the lowest backend optimisation level compiles
 # ~3x faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
-if "jax" not in __import__("sys").modules:
+if "jax" not in sys.modules:
   os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 from typing import Any
 

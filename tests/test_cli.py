@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-from hackable_diffusion.data.sft import DataError
-from hackable_diffusion.interop.hf import CheckpointError
+from hackable_diffusion.errors import CheckpointError, DataError
 from hackable_diffusion.training import checkpointing
+from hackable_diffusion import cli as cli_lib
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import logging as log_lib
+from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,11 @@ def test_bad_inputs_print_one_line(env, tmp_path):
       ("train", ["--config=tiny.py", "--config.data.generator=", "--config.data.train_path=/no/such.jsonl",
                  f"--workdir={tmp_path / 'w1'}"], "/no/such.jsonl: data file not found"),
       ("evaluate", [f"--workdir={tmp_path / 'missing'}"], "missing/config.json: no such file"),
+      # a bad evaluation sampler fails when the run starts, before any data, tokenizer or step
+      ("train", ["--config=tiny.py", "--config.eval.sampling.t_min=0.9", "--config.eval.sampling.t_max=0.1",
+                 f"--workdir={tmp_path / 'w2'}"], r"eval\.sampling\.t_min=0\.9"),
+      ("train", ["--config=tiny.py", "--config.eval.sampling.acceptance=no_such_rule",
+                 f"--workdir={tmp_path / 'w3'}"], r"eval\.sampling\.acceptance='no_such_rule'"),
   ]
   for module, args, pattern in cases:
     res = cli(module, *args, env=env, cwd=tmp_path)
@@ -76,13 +82,15 @@ def test_bad_inputs_print_one_line(env, tmp_path):
     assert res.returncode == 1, (module, args)
     assert len(lines) == 1 and lines[0].startswith("error: "), (module, args, res.stderr)
     assert re.search(pattern, lines[0]), (pattern, lines[0])
+  for name in ("w2", "w3"):  # refused before the workdir was written
+    assert not (tmp_path / name).exists()
 
 
 def test_argv_checks_in_process(tmp_path):
   """The flag checks the CLIs run before absl parses argv (fast, no subprocess)."""
-  argv = config_lib.prepare_argv(["prog", "--config=tiny.py", "--config.train.steps=3"])
+  argv = cli_lib.prepare_argv(["prog", "--config=tiny.py", "--config.train.steps=3"])
   assert argv[1] == "--config=" + os.path.join(config_lib.CONFIGS_DIR, "tiny.py")
-  argv = config_lib.prepare_argv(["prog", "--config", "tiny", "--config.train.steps=3"])
+  argv = cli_lib.prepare_argv(["prog", "--config", "tiny", "--config.train.steps=3"])
   assert argv[2] == os.path.join(config_lib.CONFIGS_DIR, "tiny.py")
   for argv, match in ((["prog", "--config=tiny.py", "--config.train.stepz=3"], "train has no 'stepz'; valid keys"),
                       (["prog", "--config=tiny.py", "--config.model.overrides.hidden_size=3"],
@@ -90,10 +98,10 @@ def test_argv_checks_in_process(tmp_path):
                       (["prog", "--config.train.steps=3"], "given without --config=FILE"),
                       (["prog", "--config=nope.py"], "'nope.py' not found")):
     with pytest.raises(config_lib.ConfigError, match=match) as err:
-      config_lib.prepare_argv(argv)
+      cli_lib.prepare_argv(argv)
     assert "\n" not in str(err.value)
   default = config_lib.load_config_file("tiny.py")
-  assert config_lib.prepare_argv(["prog", "--config.eval.seed=3"], default_config=default) == [
+  assert cli_lib.prepare_argv(["prog", "--config.eval.seed=3"], default_config=default) == [
       "prog", "--config.eval.seed=3"]
 
 
@@ -103,7 +111,7 @@ def test_bad_data_errors_in_process(tmp_path):
   bad.write_text('{"prompt": "1", "completion": "1"}\n{"prompt": 3\n')
   nocomp = tmp_path / "nocomp.jsonl"
   nocomp.write_text('{"prompt": "1", "answer": "1"}\n')
-  for path, match in ((bad, "bad.jsonl:2: invalid JSON"), (nocomp, "nocomp.jsonl:1: field 'completion' is missing")):
+  for path, match in ((bad, "bad.jsonl:2: invalid JSON"), (nocomp, "nocomp.jsonl:1: missing field 'completion'")):
     config = config_lib.load_config_file("tiny.py", {"data.generator": "", "data.train_path": str(path)})
     with pytest.raises(DataError, match=match) as err:
       trainer_lib.SFTTrainer(config, str(tmp_path / "w"))
@@ -113,7 +121,7 @@ def test_bad_data_errors_in_process(tmp_path):
   config_lib.write_config_json(config_lib.load_config_file("tiny.py"), str(corrupt))
   (corrupt / "tokenizer.model").write_bytes(b"not a sentencepiece model")
   with pytest.raises(CheckpointError, match="tokenizer.model: not a valid SentencePiece model"):
-    trainer_lib.load_run(str(corrupt))
+    run_lib.load_run(str(corrupt))
 
 
 def _wait_for_checkpoint(proc, workdir, min_step, timeout):
@@ -150,7 +158,7 @@ def killed_and_resumed(env, tmp_path_factory):
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   at_kill = ckpt.latest_step()
   assert at_kill is not None and at_kill >= seen and at_kill < STEPS
-  assert trainer_lib.load_run(workdir).step == at_kill
+  assert run_lib.load_run(workdir).step == at_kill
   res = subprocess.run(args, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
   return workdir, at_kill, res, env, tmp
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import glob
 import os
 
+import numpy as np
 import pytest
 
 from hackable_diffusion.evaluation import loop
 from hackable_diffusion.model.config import ModelConfig
+from hackable_diffusion import cli
 from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(config_lib.CONFIGS_DIR, "*.py")))
@@ -37,7 +40,7 @@ def test_config_builds(path, tmp_path):
 
   # the resolved config survives the workdir round trip
   config_lib.write_config_json(raw, str(tmp_path))
-  again = config_lib.ExperimentConfig.from_config_dict(config_lib.workdir_config(str(tmp_path)))
+  again = config_lib.ExperimentConfig.from_config_dict(cli.workdir_config(str(tmp_path)))
   assert again.train == cfg.train and again.eval == cfg.eval and again.optimizer == cfg.optimizer
 
   if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
@@ -48,18 +51,18 @@ def test_config_builds(path, tmp_path):
     config_lib.write_config_json(config_lib.load_config_file("sudoku.py"), str(base))
     raw.model.checkpoint = str(base)
     cfg = config_lib.ExperimentConfig.from_config_dict(raw)
-    assert trainer_lib.is_run_workdir(str(base))
-  model_config = trainer_lib.build_model_config(cfg, _StandInTokenizer())
+    assert run_lib.is_run_workdir(str(base))
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
   assert isinstance(model_config, ModelConfig)
-  model, _ = trainer_lib.build_model(cfg, model_config, abstract=True)
+  model, _ = run_lib.build_abstract_model(cfg, model_config)
   assert model.config == model_config
 
-  data_cfg = trainer_lib.sft_data_config(cfg, model_config, "unused.jsonl", batch_size=cfg.train.batch_size,
-                                         shuffle=True, seed=0)
+  data_cfg = run_lib.sft_data_config(cfg, model_config, "unused.jsonl", batch_size=cfg.train.batch_size,
+                                     shuffle=True, seed=0)
   assert data_cfg.canvas_length == model_config.canvas_length
-  task = trainer_lib.eval_task(cfg)
+  task = run_lib.eval_task(cfg)
   assert callable(task.metrics)
-  trainer_lib.check_eval_tasks(cfg)  # every ablation's task builds
+  run_lib.check_eval_tasks(cfg)  # every ablation's task builds
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model_config.canvas_length
   runs = loop.eval_runs(cfg.eval, max_new)
   assert runs[-1].sampling.early_stopping and len(runs) == len(set(cfg.eval.step_budgets)) + 1
@@ -110,3 +113,53 @@ def test_config_path_resolution(tmp_path, monkeypatch):
   (tmp_path / "configs" / "tiny.py").write_text("def get_config():\n  return {'train': {'steps': 1}}\n")
   assert os.path.samefile(config_lib.resolve_config_path("tiny.py"), tmp_path / "configs" / "tiny.py")
   assert config_lib.load_config_file("tiny.py").train.steps == 1  # the cwd's configs/ comes first
+
+
+def test_sections_are_the_library_dataclasses():
+  """eval.sampling is a SamplingConfig, mesh a MeshConfig, lora a LoraConfig: validated by them at start."""
+  from hackable_diffusion import lora
+  from hackable_diffusion.sampling.config import SamplingConfig
+  from hackable_diffusion.sharding.mesh import MeshConfig
+
+  raw = config_lib.load_config_file("tiny.py", {"eval.sampling.t_min": 0.3, "mesh.fsdp": 1})
+  with raw.unlocked():
+    raw.lora = dict(enabled=True, rank=2, alpha=4.0, target_modules=["q_proj"], seed=3)
+  cfg = config_lib.ExperimentConfig.from_config_dict(raw)
+  assert isinstance(cfg.eval.sampling, SamplingConfig) and cfg.eval.sampling.t_min == 0.3
+  assert isinstance(cfg.mesh, MeshConfig) and not config_lib.mesh_requested(cfg.mesh)
+  assert cfg.lora == lora.LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",)) and cfg.lora_seed == 3
+  with raw.unlocked():
+    raw.lora.enabled = False
+  assert config_lib.ExperimentConfig.from_config_dict(raw).lora is None
+  cases = [({"lora": dict(enabled=True, rnak=2)}, r"unknown key\(s\) \['lora.rnak'\]; valid keys of 'lora': .*rank"),
+           ({"lora": dict(enabled=False, rank=0)}, r"^lora.rank=0 is invalid"),
+           ({"mesh": dict(fsdp=0)}, r"^mesh.fsdp=0"),
+           ({"eval": dict(sampling=dict(t_min=0.9, t_max=0.1))}, r"^eval.sampling.t_min=0.9"),
+           ({"eval": dict(sampling=dict(entropy_bound=0.0))}, r"^eval.sampling.entropy_bound=0.0"),
+           ({"eval": dict(sampling=dict(tmin=0.9))}, r"unknown key\(s\) \['eval.sampling.tmin'\]")]
+  for section, pattern in cases:
+    bad = config_lib.config_to_dict(config_lib.load_config_file("tiny.py"))
+    bad.update(section)
+    with pytest.raises(config_lib.ConfigError, match=pattern) as err:
+      config_lib.ExperimentConfig.from_config_dict(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_lora_section_applies_its_seed():
+  """`lora.seed` initialises the adapters: two seeds give different adapter A matrices, one seed the same."""
+  from flax import nnx
+
+  from hackable_diffusion.model.config import get_preset
+  from hackable_diffusion.model.transformer import DiffusionGemma
+
+  base = config_lib.config_to_dict(config_lib.load_config_file("tiny.py"))
+
+  def adapters(seed):
+    cfg = config_lib.ExperimentConfig.from_config_dict({**base, "lora": dict(enabled=True, rank=2, seed=seed)})
+    model, trainable = run_lib.apply_lora(cfg, DiffusionGemma(get_preset("tiny"), rngs=nnx.Rngs(0)))
+    assert trainable is nnx.LoRAParam
+    return [np.asarray(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
+
+  a, b, c = adapters(0), adapters(0), adapters(1)
+  assert len(a) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert any(not np.array_equal(x, y) for x, y in zip(a, c))

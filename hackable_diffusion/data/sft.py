@@ -19,7 +19,6 @@ straddle two epochs (each epoch is a fresh permutation).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from flax import struct
 
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import DataError
+from hackable_diffusion.files import iter_jsonl
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -221,59 +221,55 @@ def _short(value: Any, limit: int = 60) -> str:
   return r if len(r) <= limit else r[:limit] + '...'
 
 
-def _read_jsonl(path: str, config: SFTDataConfig, stats: dict[str, int]
-                ) -> tuple[list[str], list[str], list[int], list[str | None]]:
-  """Reads one file -> (prompts, completions, line numbers, pinned strings); raises/counts malformed lines."""
-  if not os.path.exists(path):
-    raise DataError(f'{path}: data file not found')
-  if os.path.isdir(path):
-    raise DataError(f'{path}: is a directory, expected a JSONL file')
-  with open(path, 'rb') as f:
-    raw = f.read()
-  prompts, completions, lines, pins = [], [], [], []
-  pf, cf, pinf = config.prompt_field, config.completion_field, config.pinned_field
-  for lineno, bline in enumerate(raw.split(b'\n'), start=1):
-    if not bline.strip():
-      continue
-    problem = None
-    try:
-      line = bline.decode('utf-8')
-      if lineno == 1 and line.startswith('\ufeff'):  # a UTF-8 byte-order mark
-        line = line[1:]
-    except UnicodeDecodeError as e:
-      problem = f'not valid UTF-8 (byte {e.start}: {bline[e.start:e.start + 1]!r})'
-    else:
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        problem = f'invalid JSON ({e.msg} at column {e.colno})'
+@dataclasses.dataclass(frozen=True)
+class TextRecord:
+  """One JSONL record before tokenization: the two strings, the pinned mask string, where it came from, and every
+  other JSON field (e.g. Sudoku's `givens`)."""
+
+  prompt: str
+  completion: str
+  pinned: str | None
+  source: tuple[str, int]  # (file, line number)
+  fields: Mapping[str, Any]
+
+
+def read_records(path: str, *, prompt_field: str = 'prompt', completion_field: str = 'completion',
+                 pinned_field: str | None = None, on_malformed: str = 'error',
+                 stats: dict[str, int] | None = None) -> list[TextRecord]:
+  """The records of one JSONL file (the project's one reader of SFT data: training, tokenizer training, evaluation).
+
+  A line that is not valid UTF-8 / JSON, not an object, or lacks a string field raises a one-line `DataError`
+  naming file and line (`on_malformed='error'`) or is skipped and counted in `stats['skipped_malformed']`.
+  """
+  out = []
+  for lineno, obj, problem in iter_jsonl(path, error=DataError):
+    if problem is None:
+      if not isinstance(obj, dict):
+        problem = f'expected a JSON object, got {type(obj).__name__}'
       else:
-        if not isinstance(obj, dict):
-          problem = f'expected a JSON object, got {type(obj).__name__}'
-        else:
-          for field in (pf, cf):
-            if field not in obj:
-              problem = (f'missing field {field!r} (keys: {_short(sorted(obj))}; set '
-                         f'prompt_field/completion_field if the data uses other names)')
-              break
-            if not isinstance(obj[field], str):
-              problem = (f'field {field!r} must be a string, got {type(obj[field]).__name__} '
-                         f'{_short(obj[field])}')
-              break
-          if problem is None and pinf is not None:
-            pin = obj.get(pinf)
-            if not isinstance(pin, str) or set(pin) - {'0', '1'}:
-              problem = f"field {pinf!r} (pinned_field) must be a string of '0'/'1', got {_short(pin)}"
+        for field in (prompt_field, completion_field):
+          if field not in obj:
+            problem = (f'missing field {field!r} (keys: {_short(sorted(obj))}; set '
+                       f'prompt_field/completion_field if the data uses other names)')
+            break
+          if not isinstance(obj[field], str):
+            problem = f'field {field!r} must be a string, got {type(obj[field]).__name__} {_short(obj[field])}'
+            break
+        if problem is None and pinned_field is not None:
+          pin = obj.get(pinned_field)
+          if not isinstance(pin, str) or set(pin) - {'0', '1'}:
+            problem = f"field {pinned_field!r} (pinned_field) must be a string of '0'/'1', got {_short(pin)}"
     if problem is not None:
-      if config.on_malformed == 'error':
+      if on_malformed == 'error':
         raise DataError(f"{path}:{lineno}: {problem}; set on_malformed='skip' to skip such lines")
-      stats['skipped_malformed'] += 1
+      if stats is not None:
+        stats['skipped_malformed'] = stats.get('skipped_malformed', 0) + 1
       continue
-    prompts.append(obj[pf])
-    completions.append(obj[cf])
-    lines.append(lineno)
-    pins.append(obj[pinf] if pinf is not None else None)
-  return prompts, completions, lines, pins
+    extra = {k: v for k, v in obj.items() if k not in (prompt_field, completion_field)}
+    out.append(TextRecord(prompt=obj[prompt_field], completion=obj[completion_field],
+                          pinned=obj[pinned_field] if pinned_field is not None else None,
+                          source=(os.fspath(path), lineno), fields=extra))
+  return out
 
 
 def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
@@ -288,14 +284,15 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0}
   prompts, completions, sources, pins = [], [], [], []
   for p in config.paths:
-    ps, cs, ls, pin = _read_jsonl(p, config, stats)
-    if not ps:
+    read = read_records(p, prompt_field=config.prompt_field, completion_field=config.completion_field,
+                        pinned_field=config.pinned_field, on_malformed=config.on_malformed, stats=stats)
+    if not read:
       what = 'no records' if not stats['skipped_malformed'] else 'no valid records'
       raise DataError(f'{p}: {what} (empty file or only blank/skipped lines)')
-    prompts += ps
-    completions += cs
-    pins += pin
-    sources += [(p, n) for n in ls]
+    prompts += [r.prompt for r in read]
+    completions += [r.completion for r in read]
+    pins += [r.pinned for r in read]
+    sources += [r.source for r in read]
 
   template = config.chat_template
   formatted = [template.format(prompt=t) for t in prompts] if template else prompts

@@ -5,7 +5,8 @@ one valid canvas of the completion is chosen uniformly, corrupted with the unifo
 time `t`, and denoised by the decoder, which attends to the prompt, the clean canvases before it, and itself.
 
 Loss = diffusion term on the chosen canvas + `encoder_ar_weight` * next-token cross-entropy of the encoder over
-the completion. Diffusion-term variants (`LossConfig.variant`):
+the completion. The diffusion term is a `LossTerm` (`LossConfig.variant`, config key `diffusion.loss_variant`): a
+built-in name of `LOSS_TERMS` or 'package.module:Factory' naming a researcher's own term (`Factory()` returns it).
 - `flat` (default; the gemma JAX adapter / TRL / NeMo recipes): mean cross-entropy over every valid position of
   the canvas, corrupted or not, without a 1/t weight.
 - `corrupted`: mean cross-entropy over the valid positions that were resampled (MDLM-style "loss on noised
@@ -23,18 +24,29 @@ zero soft embedding (identical to the first pass). The loss is on the second pas
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
+from hackable_diffusion import specs
 from hackable_diffusion.data.sft import SFTBatch, num_valid_canvases
 from hackable_diffusion.diffusion import corruption
-
-_VARIANTS = ("flat", "corrupted", "elbo")
+from hackable_diffusion.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
+  """The SFT objective's settings (config section `diffusion`; `variant` is the key `loss_variant`).
+
+  variant: the diffusion term, a `LOSS_TERMS` name ('flat', 'corrupted', 'elbo') or 'package.module:Factory'
+    (`Factory()` returns a `LossTerm`). schedule: the keep-probability schedule ('linear', 'cosine'). time_eps: `t ~
+    U(eps, 1 - eps)`. self_conditioning_prob: per-example probability of a self-conditioned second pass.
+    encoder_ar_weight: weight of the encoder's next-token loss (0: the last canvas is not encoded).
+  """
+
   variant: str = "flat"
   schedule: str = "linear"
   time_eps: float = 1e-4
@@ -42,15 +54,22 @@ class LossConfig:
   encoder_ar_weight: float = 1.0
 
   def __post_init__(self):
-    if self.variant not in _VARIANTS:
-      raise ValueError(f"diffusion.loss_variant={self.variant!r}; expected one of {_VARIANTS}")
-    corruption.get_schedule(self.schedule)
+    get_loss_term(self.variant)
+    try:
+      corruption.get_schedule(self.schedule)
+    except ValueError as e:
+      raise ConfigError(f"diffusion.schedule={self.schedule!r}: {e}") from None
     if not 0.0 <= self.time_eps < 0.5:
-      raise ValueError(f"diffusion.time_eps={self.time_eps}; expected a value in [0, 0.5)")
+      raise ConfigError(f"diffusion.time_eps={self.time_eps}; expected a value in [0, 0.5)")
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
-      raise ValueError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
+      raise ConfigError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
     if self.encoder_ar_weight < 0:
-      raise ValueError(f"diffusion.encoder_ar_weight={self.encoder_ar_weight}; expected >= 0")
+      raise ConfigError(f"diffusion.encoder_ar_weight={self.encoder_ar_weight}; expected >= 0")
+
+  @property
+  def term(self) -> LossTerm:
+    """The diffusion term `variant` names."""
+    return get_loss_term(self.variant)
 
 
 @jax.tree_util.register_dataclass
@@ -71,8 +90,14 @@ class NoisedCanvas:
   use_sc: jax.Array
   pinned: jax.Array
 
+  @property
+  def free(self) -> jax.Array:
+    """[B, C] bool: the positions the model has to predict (valid and not pinned)."""
+    return self.valid & ~self.pinned
 
-def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: int, config: LossConfig) -> NoisedCanvas:
+
+def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: int,
+               config: LossConfig) -> NoisedCanvas:
   """Chooses a canvas per example, a time, the corruption and the self-conditioning coin."""
   k_canvas, k_time, k_noise, k_sc = jax.random.split(key, 4)
   n_valid = num_valid_canvases(batch.completion_mask, canvas_length)
@@ -151,8 +176,76 @@ def uniform_elbo_integrand(logits: jax.Array, clean: jax.Array, noisy: jax.Array
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean of `values` over the True positions of `mask` (same shape) -> scalar; 0 for an empty mask."""
   mask = mask.astype(jnp.float32)
   return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+# ---- diffusion terms -------------------------------------------------------------------------------------------
+class LossTerm(Protocol):
+  """The diffusion term of the loss on the chosen canvas.
+
+  `logits [B, C, V]` (the denoiser's output on `noise.noisy`), `noise` (the draws: clean/noisy/free/corrupted
+  `[B, C]`, t `[B]`), `schedule` (alpha(t), dalpha(t)) -> a scalar to minimise, averaged over the positions the
+  model has to predict (`noise.free`). Implementations are frozen dataclasses; a researcher's own is named in a
+  config as 'package.module:Factory' (`Factory()` returns it).
+  """
+
+  def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatCrossEntropy:
+  """'flat': mean cross-entropy over every free position of the canvas, corrupted or not, no 1/t weight."""
+
+  def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    return masked_mean(cross_entropy(logits, noise.clean), noise.free)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorruptedCrossEntropy:
+  """'corrupted': mean cross-entropy over the free positions that were resampled (MDLM-style)."""
+
+  def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    return masked_mean(cross_entropy(logits, noise.clean), noise.free & noise.corrupted)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformStateELBO:
+  """'elbo': mean continuous-time NELBO integrand of uniform-state diffusion over the free positions (UDLM)."""
+
+  def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, schedule.alpha(noise.t),
+                                       schedule.dalpha(noise.t))
+    return masked_mean(integrand, noise.free)
+
+
+LOSS_TERMS: Mapping[str, Callable[[], LossTerm]] = types.MappingProxyType({
+    "flat": FlatCrossEntropy,
+    "corrupted": CorruptedCrossEntropy,
+    "elbo": UniformStateELBO,
+})
+
+
+def get_loss_term(variant: str) -> LossTerm:
+  """The term a `LOSS_TERMS` name or 'package.module:Factory' names; a one-line `ConfigError` if none."""
+  if variant in LOSS_TERMS:
+    return LOSS_TERMS[variant]()
+  if not specs.is_spec(variant):
+    raise ConfigError(f"diffusion.loss_variant={variant!r}; expected one of {tuple(LOSS_TERMS)} or "
+                      "'package.module:Factory'")
+  factory = specs.import_spec(variant, what="diffusion.loss_variant")
+  if not callable(factory):
+    raise ConfigError(f"diffusion.loss_variant={variant!r} is a {type(factory).__name__}, not a class or function")
+  try:
+    term = factory()
+  except TypeError as e:
+    raise ConfigError(f"diffusion.loss_variant={variant!r}: calling it with no arguments failed ({e})") from None
+  if not callable(term):
+    raise ConfigError(f"diffusion.loss_variant={variant!r}: calling it must return a LossTerm "
+                      "(a callable (logits, noise, schedule) -> scalar)")
+  return term
 
 
 def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
@@ -189,17 +282,8 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   else:
     logits = model.decode(noise.noisy, dec_cache)
 
-  ce = cross_entropy(logits, noise.clean)
-  free = noise.valid & ~noise.pinned  # positions the model has to predict
-  if config.variant == "flat":
-    diff_loss = masked_mean(ce, free)
-  elif config.variant == "corrupted":
-    diff_loss = masked_mean(ce, free & noise.corrupted)
-  else:
-    schedule = corruption.get_schedule(config.schedule)
-    integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, schedule.alpha(noise.t),
-                                       schedule.dalpha(noise.t))
-    diff_loss = masked_mean(integrand, free)
+  free = noise.free
+  diff_loss = config.term(logits, noise, corruption.get_schedule(config.schedule))
   loss = diff_loss + config.encoder_ar_weight * ar_loss
   pred = jnp.argmax(logits, axis=-1)
   metrics.update(

@@ -1,5 +1,2 @@
-"""Evaluation: tasks (metrics + data hooks) and the generation-based evaluation loop."""
-
-from hackable_diffusion.evaluation.tasks import DigitsTask, EvalRecord, Task, TextTask, get_task
-
-__all__ = ["DigitsTask", "EvalRecord", "Task", "TextTask", "get_task"]
+"""Evaluation: the generation-based evaluation loop (`loop.py`). Tasks (metrics + data hooks) live in
+`hackable_diffusion.tasks`."""

@@ -13,7 +13,6 @@ draw it (Sudoku), `<out_dir>/canvas_step_{N}.png`: the first example's canvas co
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -23,9 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from hackable_diffusion.data.sft import DataError, SFTDataConfig, SFTRecords, load_records
+from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer
-from hackable_diffusion.evaluation.tasks import EvalRecord, Task
+from hackable_diffusion.errors import DataError
+from hackable_diffusion.files import write_json
+from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
 
@@ -53,19 +54,18 @@ def load_eval_data(path: str, data_config: SFTDataConfig, tokenizer: Tokenizer, 
   records = load_records(path, data_config, tokenizer)
   n = min(num_examples, len(records))
   records = records.select(np.arange(n))
-  lines: dict[str, list[bytes]] = {}
+  fields: dict[tuple[str, int], Mapping[str, Any]] = {}
+  for file in dict.fromkeys(file for file, _ in records.sources):
+    fields.update({r.source: r.fields for r in read_records(
+        file, prompt_field=data_config.prompt_field, completion_field=data_config.completion_field,
+        on_malformed="skip")})
   examples = []
   for i in range(n):
-    file, lineno = records.sources[i]
-    if file not in lines:
-      with open(file, "rb") as f:
-        lines[file] = f.read().split(b"\n")
-    try:
-      obj = json.loads(lines[file][lineno - 1].decode("utf-8").lstrip("\ufeff"))
-    except (IndexError, UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise DataError(f"{file}:{lineno}: changed while reading ({type(e).__name__})") from None
-    extra = {k: v for k, v in obj.items() if k not in (data_config.prompt_field, data_config.completion_field)}
-    examples.append(EvalRecord(prompt=records.prompts[i], completion=records.completions[i], fields=extra))
+    if records.sources[i] not in fields:
+      file, lineno = records.sources[i]
+      raise DataError(f"{file}:{lineno}: changed while reading")
+    examples.append(EvalRecord(prompt=records.prompts[i], completion=records.completions[i],
+                               fields=dict(fields[records.sources[i]])))
   return EvalData(records=records, examples=examples)
 
 
@@ -91,11 +91,9 @@ def ablation_runs(eval_cfg: Any, max_new_tokens: int, make_task: Callable[[Mappi
 
 
 def eval_runs(eval_cfg: Any, max_new_tokens: int) -> list[EvalRun]:
-  """The runs of `eval_cfg` (an `EvalSection`): one per step budget without early stopping, one with it."""
-  base = SamplingConfig(
-      max_new_tokens=max_new_tokens, entropy_bound=float(eval_cfg.entropy_bound), t_min=float(eval_cfg.t_min),
-      t_max=float(eval_cfg.t_max), stability_threshold=int(eval_cfg.stability_threshold),
-      confidence_threshold=float(eval_cfg.confidence_threshold))
+  """The runs of `eval_cfg` (an `EvalSection`, whose `sampling` is the sampler of every run): one per step budget
+  without early stopping, one with early stopping."""
+  base = eval_cfg.sampling.replace(max_new_tokens=max_new_tokens)
   runs = [EvalRun(name=f"steps_{n}", sampling=base.replace(max_denoising_steps=int(n), early_stopping=False))
           for n in sorted(set(eval_cfg.step_budgets))]
   runs.append(EvalRun(name="early_stopping",
@@ -249,11 +247,7 @@ def write_report(report: dict[str, Any], out_dir: str, task: Task | None = None)
   os.makedirs(out_dir, exist_ok=True)
   step = report.get("step") or 0
   path = os.path.join(out_dir, REPORT_PATTERN.format(step=step))
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(_json_clean(report), f, indent=2)
-    f.write("\n")
-  os.replace(tmp, path)
+  write_json(path, _json_clean(report), sort_keys=False)
   plot_report(report, os.path.join(out_dir, PLOT_PATTERN.format(step=step)))
   if task is not None and report.get("trajectory"):
     task.plot_trajectory(report["trajectory"], os.path.join(out_dir, CANVAS_PLOT_PATTERN.format(step=step)))

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -20,11 +19,12 @@ from typing import Any
 
 from flax import nnx
 
+from hackable_diffusion.errors import AdapterError, CheckpointError, ConfigError
+from hackable_diffusion.files import write_json
 from hackable_diffusion.interop import hf
 from hackable_diffusion.interop import peft as peft_io
 from hackable_diffusion.lora.adapters import has_lora
 from hackable_diffusion.lora.merge import merge
-from hackable_diffusion.model.config import ConfigError
 from hackable_diffusion.sampling.config import SamplingConfig
 
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -54,6 +54,11 @@ def generation_config(model_config: Any, defaults: Mapping[str, Any] | SamplingC
     sc = SamplingConfig(**values)
   if not sc.early_stopping:
     raise ConfigError("generation defaults: early_stopping=False has no transformers equivalent; leave it on")
+  rule_args = dict(sc.acceptance_args)
+  if sc.acceptance != "entropy_bound" or set(rule_args) - {"bound"}:
+    raise ConfigError(f"generation defaults: acceptance={sc.acceptance!r} with args {rule_args} has no transformers "
+                      f"equivalent (it samples with the entropy bound only); export with acceptance='entropy_bound'")
+  bound = float(rule_args.get("bound", sc.entropy_bound))
   if sc.canvas_length is not None and sc.canvas_length != model_config.canvas_length:
     raise ConfigError(f"generation defaults: canvas_length={sc.canvas_length} differs from the model's "
                       f"canvas_length={model_config.canvas_length} (transformers reads it from config.json)")
@@ -61,7 +66,7 @@ def generation_config(model_config: Any, defaults: Mapping[str, Any] | SamplingC
   out = {
       "max_new_tokens": int(sc.max_new_tokens),
       "max_denoising_steps": int(sc.max_denoising_steps),
-      "sampler_config": {"entropy_bound": float(sc.entropy_bound), "_cls_name": "EntropyBoundSamplerConfig"},
+      "sampler_config": {"entropy_bound": bound, "_cls_name": "EntropyBoundSamplerConfig"},
       "t_min": float(sc.t_min),
       "t_max": float(sc.t_max),
       "stability_threshold": int(sc.stability_threshold),
@@ -81,9 +86,9 @@ def copy_tokenizer(tokenizer_path: str, out_dir: str) -> list[str]:
     files = [os.path.join(tokenizer_path, n) for n in TOKENIZER_FILES
              if os.path.isfile(os.path.join(tokenizer_path, n))]
     if not files:
-      raise hf.CheckpointError(f"{tokenizer_path}: no tokenizer file ({', '.join(TOKENIZER_FILES)})")
+      raise CheckpointError(f"{tokenizer_path}: no tokenizer file ({', '.join(TOKENIZER_FILES)})")
   else:
-    raise hf.CheckpointError(f"{tokenizer_path}: no such tokenizer file or directory")
+    raise CheckpointError(f"{tokenizer_path}: no such tokenizer file or directory")
   os.makedirs(out_dir, exist_ok=True)
   written = []
   for src in files:
@@ -102,7 +107,7 @@ def export_peft(model: nnx.Module, out_dir: str, base_model_name_or_path: str | 
   where `PeftModel`/`AutoPeftModel` look for the base).
   """
   if not has_lora(model):
-    raise peft_io.AdapterError("the model has no LoRA adapters: export it with format 'merged' instead")
+    raise AdapterError("the model has no LoRA adapters: export it with format 'merged' instead")
   written: dict[str, Any] = peft_io.save_adapter(model, out_dir, base_model_name_or_path)
   if tokenizer_path:
     written["tokenizer"] = copy_tokenizer(tokenizer_path, out_dir)
@@ -122,12 +127,7 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   gen = generation_config(model.config, generation_defaults)  # validate before writing anything
   plain = merge(model) if has_lora(model) else model
   hf.save_pretrained(plain, out_dir, dtype=dtype, vision_source=vision_source)
-  path = os.path.join(out_dir, GENERATION_CONFIG_NAME)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(gen, f, indent=2, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  path = write_json(os.path.join(out_dir, GENERATION_CONFIG_NAME), gen)
   written: dict[str, Any] = {"checkpoint": out_dir, "generation_config": path}
   if tokenizer_path:
     written["tokenizer"] = copy_tokenizer(tokenizer_path, out_dir)

@@ -3,18 +3,23 @@
 Layout written by transformers' `DiffusionGemmaForBlockDiffusion.save_pretrained`: `config.json` with a
 `text_config`, weights stored once under `model.decoder.*` (encoder and decoder text weights are tied), the
 encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.N.layer_scalar`, and a vision
-tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*`. Our model has one set of text
-weights; loading maps the names onto it tensor by tensor (never two full copies in memory) and skips the vision
-tower (text-only); saving writes every name transformers expects, with a tiny vision stub (or the vision tower
-of a source checkpoint) so that `from_pretrained` reports no missing or unexpected keys.
+tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*` (the name mapping: `interop.names`).
+Our model has one set of text weights; loading maps the names onto it tensor by tensor (never two full copies in
+memory) and skips the vision tower (text-only); saving writes every name transformers expects, with a tiny vision
+stub (or the vision tower of a source checkpoint) so that `from_pretrained` reports no missing or unexpected keys.
+
+Loading is one loop over the stored tensors with a per-tensor *placement* function: on one device
+(`place_on_host`: read the tensor, cast, transpose) or straight into its shards on a mesh (`place_in_shards`:
+every device reads only its own slice).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -22,48 +27,22 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from safetensors import flax as safetensors_flax
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hackable_diffusion.model.config import TINY_VISION_CONFIG, ConfigError, ModelConfig
+from hackable_diffusion.errors import CheckpointError, ConfigError
+from hackable_diffusion.files import read_json, write_json
+from hackable_diffusion.interop import peft as peft_io
+from hackable_diffusion.interop.names import hf_name, hf_tensor_names, is_vision, iter_variables, tied_decoder_name
+from hackable_diffusion.lora.adapters import has_lora
+from hackable_diffusion.model.config import TINY_VISION_CONFIG, ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
-from hackable_diffusion.errors import CheckpointError
+from hackable_diffusion.sharding.logical import LOGICAL_AXIS_RULES, Rules, logical_to_mesh_spec, variable_axes
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
-_ENCODER_LAYERS = "model.encoder.language_model."
-_DEC = "model.decoder."
-
-
-# ---- name mapping ---------------------------------------------------------------------------------------------
-def _hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
-  """Our parameter path -> (HF tensor name, transpose?)."""
-  parts = [str(p) for p in path]
-  if parts == ["embed_tokens"]:
-    return _DEC + "embed_tokens.weight", False
-  if parts[0] == "layers" and parts[-1] == "encoder_layer_scalar":
-    return f"{_ENCODER_LAYERS}layers.{parts[1]}.layer_scalar", False
-  if parts[:2] == ["self_conditioning", "mlp"]:
-    parts = ["self_conditioning", *parts[2:]]
-  if parts[-1] == "kernel":
-    return _DEC + ".".join(parts[:-1]) + ".weight", True
-  return _DEC + ".".join(parts), False
-
-
-def _iter_variables(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Variable]]:
-  state = nnx.state(model)
-  for path, var in nnx.to_flat_state(state):
-    yield tuple(path), var
-
-
-def hf_tensor_names(model: DiffusionGemma) -> dict[str, tuple[tuple[Any, ...], bool]]:
-  """HF tensor name -> (our variable path, transpose?) for every variable of `model`."""
-  out = {}
-  for path, _ in _iter_variables(model):
-    name, transpose = _hf_name(path)
-    out[name] = (path, transpose)
-  return out
 
 
 # ---- reading --------------------------------------------------------------------------------------------------
@@ -71,11 +50,9 @@ def _weight_files(path: str) -> list[str]:
   index = os.path.join(path, INDEX_NAME)
   single = os.path.join(path, WEIGHTS_NAME)
   if os.path.exists(index):
-    try:
-      with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-      raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {e})") from None
+    weight_map = read_json(index, error=CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{index}: malformed index (no 'weight_map' object)")
     files = sorted(set(weight_map.values()))
     for name in files:
       if not os.path.exists(os.path.join(path, name)):
@@ -107,7 +84,7 @@ def _header(file: str) -> tuple[dict[str, Any], int]:
     raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _read_tensor(file: str, name: str, header: dict[str, Any], start: int) -> np.ndarray:
+def _read_tensor(file: str, name: str, header: Mapping[str, Any], start: int) -> np.ndarray:
   """Reads one tensor with plain file I/O (no memory map: the file's pages never count as resident memory)."""
   entry = header[name]
   if entry["dtype"] not in _ST_DTYPES:
@@ -139,32 +116,81 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
     raise CheckpointError(str(e)) from None
 
 
-def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any = None, adapter: str | None = None,
-                    **config_overrides: Any) -> DiffusionGemma:
-  """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+  """One stored tensor as the variable it loads into sees it: `shape` is ours (the stored one reversed when
+  `transpose`: torch kernels are `[out, in]`, ours `[in, out]`). Valid while its file is open (inside the loop)."""
 
-  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given). Tensors are read one at a
-  time and cast on the fly; the vision tower is skipped with one warning. Raises `CheckpointError` naming the
-  tensor for a missing tensor, an unexpected tensor, or a shape mismatch. `adapter`: a PEFT adapter directory
-  to apply on top (see `hackable_diffusion.interop.peft`).
+  file: str
+  name: str
+  shape: tuple[int, ...]
+  transpose: bool
+  header: Mapping[str, Any]  # the file's safetensors header
+  data_start: int  # byte offset of the file's tensor data
+  handle: Any  # the file opened by safetensors (lazy slices)
+
+  def read(self) -> np.ndarray:
+    """The whole tensor in our layout, read with plain file I/O (a transposed view of the stored bytes)."""
+    tensor = _read_tensor(self.file, self.name, self.header, self.data_start)
+    return tensor.T if self.transpose else tensor
+
+  def read_block(self, index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` (slices of our layout) of the tensor; only that block is read from the file."""
+    index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+    try:
+      stored = self.handle.get_slice(self.name)
+      block = stored[index[::-1]] if self.transpose else stored[index]
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for truncated data
+      raise CheckpointError(f"{self.file}: cannot read tensor {self.name!r} ({str(e).splitlines()[0]})") from None
+    block = np.asarray(block)
+    return block.T if self.transpose else block
+
+
+# (stored tensor, the abstract variable it fills) -> its value
+Placement = Callable[[StoredTensor, nnx.Variable], jax.Array]
+
+
+def place_on_host(tensor: StoredTensor, var: nnx.Variable) -> jax.Array:
+  """The whole tensor read on the host and cast to the variable's dtype, on the default device."""
+  return jnp.asarray(tensor.read(), dtype=var.dtype)
+
+
+def place_in_shards(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Placement:
+  """Every tensor straight into its `NamedSharding` on `mesh` (by the variable's logical axes and `rules`).
+
+  Each device reads only its own slice from the file (`jax.make_array_from_callback`), so neither the model nor a
+  whole large tensor is ever gathered in one host buffer or device. Multi-host: every process reads the slices its
+  devices hold.
   """
-  dtype = jnp.dtype(dtype)
-  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
-  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
-  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+
+  def place(tensor: StoredTensor, var: nnx.Variable) -> jax.Array:
+    spec = logical_to_mesh_spec(variable_axes(var), rules=rules, mesh=mesh, shape=tensor.shape)
+    return jax.make_array_from_callback(tensor.shape, NamedSharding(mesh, spec),
+                                        lambda index: tensor.read_block(index).astype(var.dtype))
+
+  return place
+
+
+def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host) -> nnx.Module:
+  """Fills every variable of `model` (built abstractly: `nnx.eval_shape`) from the checkpoint at `path`.
+
+  Tensors are read one at a time and placed by `place`; the vision tower is skipped with one warning; a tied
+  encoder copy stored next to its decoder copy is skipped. Raises `CheckpointError` naming the tensor for a missing
+  tensor, an unexpected tensor, or a shape mismatch.
+  """
   names = hf_tensor_names(model)
-  variables = dict(_iter_variables(model))
+  variables = dict(iter_variables(model))
   loaded: set[str] = set()
   skipped_vision = 0
   stored = {name for _, name, _ in iter_tensors(path)}  # headers only
   headers: dict[str, tuple[dict[str, Any], int]] = {}
-  for file, name, _ in iter_tensors(path):
-    if name.startswith(_VISION_PREFIXES):
+  for file, name, handle in iter_tensors(path):
+    if is_vision(name):
       skipped_vision += 1
       continue
     key = name
-    if name not in names and name.startswith(_ENCODER_LAYERS):
-      key = _DEC + name[len(_ENCODER_LAYERS):]  # a tied encoder copy stored explicitly
+    if name not in names and tied_decoder_name(name) is not None:
+      key = tied_decoder_name(name)  # a tied encoder copy stored explicitly
       if key in stored:
         continue  # the decoder copy of this tied weight is stored too
     if key not in names:
@@ -173,14 +199,13 @@ def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any =
     var = variables[var_path]
     if file not in headers:
       headers = {file: _header(file)}  # one file at a time
-    tensor = _read_tensor(file, name, *headers[file])
-    shape = tuple(tensor.shape[::-1]) if transpose else tuple(tensor.shape)
+    header, start = headers[file]
+    stored_shape = tuple(header[name]["shape"])
+    shape = stored_shape[::-1] if transpose else stored_shape
     if shape != tuple(var.shape):
       expected = tuple(var.shape[::-1]) if transpose else tuple(var.shape)
-      raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-    value = tensor.T if transpose else tensor
-    var.value = jnp.asarray(value, dtype=var.dtype)
-    del tensor, value
+      raise CheckpointError(f"{file}: tensor {name!r} has shape {stored_shape}, expected {expected}")
+    var.set_value(place(StoredTensor(file, name, shape, transpose, header, start, handle), var))
     loaded.add(key)
   missing = sorted(set(names) - loaded)
   if missing:
@@ -188,10 +213,28 @@ def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any =
     raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
   if skipped_vision:
     logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path, skipped_vision)
-  if adapter is not None:
-    from hackable_diffusion.interop import peft as peft_interop  # local import: optional feature
+  return model
 
-    model = peft_interop.load_adapter(model, adapter)
+
+def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any = None, adapter: str | None = None,
+                    mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES,
+                    **config_overrides: Any) -> DiffusionGemma:
+  """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
+
+  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given). Tensors are read one at a
+  time and cast on the fly (peak memory: the model plus one tensor in transit); the vision tower is skipped with
+  one warning. `mesh`: every tensor goes straight into its `NamedSharding` on the mesh (by `rules`), each device
+  reading only its own slice (`place_in_shards`). Raises `CheckpointError` naming the tensor for a missing tensor,
+  an unexpected tensor, or a shape mismatch. `adapter`: a PEFT adapter directory to apply on top (see
+  `hackable_diffusion.interop.peft`). `config_overrides`: `ModelConfig` fields to override.
+  """
+  dtype = jnp.dtype(dtype)
+  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
+  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
+  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+  load_weights(model, path, place_on_host if mesh is None else place_in_shards(mesh, rules))
+  if adapter is not None:
+    model = peft_io.load_adapter(model, adapter)
   return model
 
 
@@ -209,7 +252,8 @@ def _vision_stub(hidden: int, vision: dict[str, Any]) -> dict[str, np.ndarray]:
   out = {
       "model.encoder.embed_vision.embedding_projection.weight": normal(hidden, vh),
       "model.encoder.vision_tower.patch_embedder.input_proj.weight": normal(vh, 3 * patch * patch),
-      "model.encoder.vision_tower.patch_embedder.position_embedding_table": ones(2, vision["position_embedding_size"], vh),
+      "model.encoder.vision_tower.patch_embedder.position_embedding_table":
+          ones(2, vision["position_embedding_size"], vh),
   }
   for i in range(vision["num_hidden_layers"]):
     p = f"model.encoder.vision_tower.encoder.layers.{i}."
@@ -242,9 +286,7 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   cannot run.
   """
   config = model.config
-  from hackable_diffusion.lora import adapters as lora_adapters  # local: lora imports this module
-
-  if lora_adapters.has_lora(model):
+  if has_lora(model):
     raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "
                           "interop.export.export_merged)")
   if config.attention_structure is not None:
@@ -257,9 +299,8 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
     raise CheckpointError(f"unsupported save dtype {dtype!r}; expected one of {sorted(_TORCH_DTYPES)}")
   os.makedirs(path, exist_ok=True)
   hf_config = config.to_hf_config(torch_dtype=dtype)
-  vision: dict[str, np.ndarray] | None = None
   if vision_source is not None:
-    src = json.load(open(os.path.join(vision_source, "config.json"), encoding="utf-8"))
+    src = read_json(os.path.join(vision_source, "config.json"), error=CheckpointError)
     for key in ("vision_config", "boi_token_id", "eoi_token_id", "image_token_id"):
       if key in src:
         hf_config[key] = src[key]
@@ -267,13 +308,13 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
     hf_config.update(extra_config)
 
   def tensors() -> Iterator[tuple[str, np.ndarray]]:
-    for p, var in _iter_variables(model):
-      name, transpose = _hf_name(p)
+    for p, var in iter_variables(model):
+      name, transpose = hf_name(p)
       value = var[...]
       yield name, _to_numpy(value.T if transpose else value, dtype)
     if vision_source is not None:
       for _, name, handle in iter_tensors(vision_source):
-        if name.startswith(_VISION_PREFIXES):
+        if is_vision(name):
           yield name, np.asarray(jnp.asarray(handle.get_tensor(name)).astype(jnp.dtype(dtype)))
     else:
       for name, value in _vision_stub(config.hidden_size, TINY_VISION_CONFIG).items():
@@ -301,29 +342,24 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
       for name, array in shard.items():
         weight_map[name] = fname
         total += array.nbytes
-    _atomic_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(path, INDEX_NAME))
-  _atomic_json(hf_config, os.path.join(path, "config.json"))
+    write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+  write_json(os.path.join(path, "config.json"), hf_config)
 
 
 def _atomic_save(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
-  if any(a.dtype == jnp.bfloat16 for a in tensors.values()):
-    from safetensors.flax import save_file as save_jax  # numpy has no bf16 in safetensors' numpy writer
-
-    tmp = file + ".tmp"
-    save_jax({k: jnp.asarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
-  else:
-    tmp = file + ".tmp"
-    save_file(tensors, tmp, metadata=metadata)
-  os.replace(tmp, file)
-
-
-def _atomic_json(data: dict[str, Any], file: str) -> None:
+  """Writes a safetensors file through a temporary file and a rename (streamed by safetensors, not via bytes)."""
   tmp = file + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(data, f, indent=2, sort_keys=True)
-    f.write("\n")
+  if any(a.dtype == jnp.bfloat16 for a in tensors.values()):  # numpy has no bf16 in safetensors' numpy writer
+    safetensors_flax.save_file({k: jnp.asarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+  else:
+    save_file(tensors, tmp, metadata=metadata)
   os.replace(tmp, file)
 
 
 def checkpoint_nbytes(path: str) -> int:
   return sum(os.path.getsize(f) for f in _weight_files(path))
+
+
+__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "CheckpointError", "Placement", "StoredTensor", "checkpoint_nbytes",
+           "iter_tensors", "load_config", "load_pretrained", "load_weights", "place_in_shards", "place_on_host",
+           "save_pretrained"]

@@ -18,7 +18,6 @@ as `experts.base_layer.lora_*` and `down_proj`'s as `experts.lora_*`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,18 +27,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import flax as safetensors_flax
+from safetensors import safe_open
 
-from hackable_diffusion.interop.hf import CheckpointError, _hf_name
-from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, _get, apply_lora,
 from hackable_diffusion.errors import AdapterError
+from hackable_diffusion.files import read_json, write_json
+from hackable_diffusion.interop.names import DECODER, DECODER_LAYERS, ENCODER_LAYERS, hf_name
+from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, apply_lora,
                                               has_lora, lora_modules, targetable)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-_DEC = "model.decoder."
-_DEC_LAYERS = "model.decoder.layers."
-_ENC_LAYERS = "model.encoder.language_model.layers."
 _BASE = ".base_layer"
 
 
@@ -48,14 +47,14 @@ def decoder_module(path: tuple[Any, ...], param: str | None) -> str:
   """HF name of the decoder module holding our target: `model.decoder.layers.0.self_attn.q_proj`,
   `model.decoder.layers.0.experts` (expert tensors), `model.decoder.self_conditioning.gate_proj`."""
   if param is None:
-    return _hf_name((*path, "kernel"))[0][: -len(".weight")]
-  return _hf_name((*path, param))[0].rsplit(".", 1)[0]
+    return hf_name((*path, "kernel"))[0][: -len(".weight")]
+  return hf_name((*path, param))[0].rsplit(".", 1)[0]
 
 
 def module_copies(decoder_name: str) -> list[str]:
   """The decoder module and, for layer modules, the encoder module with the same (tied) weights."""
-  if decoder_name.startswith(_DEC_LAYERS):
-    return [decoder_name, _ENC_LAYERS + decoder_name[len(_DEC_LAYERS):]]
+  if decoder_name.startswith(DECODER_LAYERS):
+    return [decoder_name, ENCODER_LAYERS + decoder_name[len(DECODER_LAYERS):]]
   return [decoder_name]
 
 
@@ -69,11 +68,11 @@ def target_modules_regex(decoder_names: Iterable[str], num_layers: int) -> str:
   by_sub: dict[str, set[int]] = {}
   other: list[str] = []
   for name in decoder_names:
-    if name.startswith(_DEC_LAYERS):
-      layer, sub = name[len(_DEC_LAYERS):].split(".", 1)
+    if name.startswith(DECODER_LAYERS):
+      layer, sub = name[len(DECODER_LAYERS):].split(".", 1)
       by_sub.setdefault(sub, set()).add(int(layer))
     else:
-      other.append(re.escape(name[len(_DEC):]))
+      other.append(re.escape(name[len(DECODER):]))
   groups: dict[frozenset[int], list[str]] = {}
   for sub, layer_set in by_sub.items():
     groups.setdefault(frozenset(layer_set), []).append(re.escape(sub))
@@ -193,23 +192,14 @@ def save_adapter(model: nnx.Module, out_dir: str, base_model_name_or_path: str |
   weights = os.path.join(out_dir, ADAPTER_WEIGHTS_NAME)
   config = os.path.join(out_dir, ADAPTER_CONFIG_NAME)
   _save_safetensors({k: jnp.asarray(v, dtype=dtype or v.dtype) for k, v in tensors.items()}, weights)
-  _write_json(_config_json(fields, base_model_name_or_path), config)
+  write_json(config, _config_json(fields, base_model_name_or_path))
   return {"weights": weights, "config": config}
 
 
 def _save_safetensors(tensors: Mapping[str, Any], file: str) -> None:
-  from safetensors.flax import save_file  # handles bfloat16, unlike the numpy writer
-
+  """Through a temporary file and a rename; the flax writer handles bfloat16, unlike the numpy one."""
   tmp = file + ".tmp"
-  save_file(dict(tensors), tmp, metadata={"format": "pt"})
-  os.replace(tmp, file)
-
-
-def _write_json(data: Mapping[str, Any], file: str) -> None:
-  tmp = file + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(data, f, indent=2, sort_keys=True)
-    f.write("\n")
+  safetensors_flax.save_file(dict(tensors), tmp, metadata={"format": "pt"})
   os.replace(tmp, file)
 
 
@@ -225,13 +215,7 @@ def read_adapter_config(path: str) -> dict[str, Any]:
   file = os.path.join(path, ADAPTER_CONFIG_NAME)
   if not os.path.isdir(path):
     raise AdapterError(f"{path}: not a directory")
-  try:
-    with open(file, encoding="utf-8") as f:
-      config = json.load(f)
-  except FileNotFoundError:
-    raise AdapterError(f"{file}: no such file (not a PEFT adapter directory)") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise AdapterError(f"{file}: not valid JSON ({e})") from None
+  config = read_json(file, error=AdapterError, missing="no such file (not a PEFT adapter directory)", expect=None)
   if not isinstance(config, dict) or config.get("peft_type") != "LORA":
     raise AdapterError(f"{file}: peft_type={config.get('peft_type') if isinstance(config, dict) else None!r}; "
                        "only LORA adapters are supported")
@@ -252,8 +236,6 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
     other = [n for n in ("adapter_model.bin",) if os.path.exists(os.path.join(path, n))]
     hint = f" (found {other[0]}: re-save it with safe_serialization=True)" if other else ""
     raise AdapterError(f"{file}: no such file{hint}")
-  from safetensors import safe_open
-
   try:
     with safe_open(file, framework="flax") as f:
       return {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
@@ -292,8 +274,8 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
   by_module: dict[str, tuple[str, tuple[Any, ...], str | None]] = {}  # decoder-relative HF module -> ours
   for name, (mpath, param) in table.items():
     if param is None:
-      by_module[decoder_module(mpath, None)[len(_DEC):]] = (name, mpath, None)
-  expert_modules = {decoder_module(mpath, param)[len(_DEC):]: mpath for _, (mpath, param) in table.items() if param}
+      by_module[decoder_module(mpath, None)[len(DECODER):]] = (name, mpath, None)
+  expert_modules = {decoder_module(mpath, param)[len(DECODER):]: mpath for _, (mpath, param) in table.items() if param}
   # ours -> {'dec'|'enc': {'A'|'B': (key, array)}}
   found: dict[str, dict[str, dict[str, tuple[str, np.ndarray]]]] = {}
   for key, value in tensors.items():
@@ -305,10 +287,10 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
     depth = 0
     while module.endswith(_BASE):
       module, depth = module[: -len(_BASE)], depth + 1
-    if module.startswith(_ENC_LAYERS):
-      mode, rel = "enc", "layers." + module[len(_ENC_LAYERS):]
-    elif module.startswith(_DEC):
-      mode, rel = "dec", module[len(_DEC):]
+    if module.startswith(ENCODER_LAYERS):
+      mode, rel = "enc", "layers." + module[len(ENCODER_LAYERS):]
+    elif module.startswith(DECODER):
+      mode, rel = "dec", module[len(DECODER):]
     else:
       raise AdapterError(f"{file}: tensor {key!r} adapts {module!r}, which is not part of the text model "
                          "(hackable_diffusion is text-only)")
@@ -368,7 +350,7 @@ def _check_shapes(file: str, model: nnx.Module, target: tuple[tuple[Any, ...], s
                   dec: dict[str, tuple[str, np.ndarray]], r: int) -> None:
   """`dec`: {'A'|'B': (tensor name, array)} of one copy (encoder or decoder)."""
   mpath, param = target
-  module = _get(model, mpath)
+  module = _module_at(model, mpath)
   if param is None:
     d_in, d_out = module.kernel.shape
     expected = {"A": (r, d_in), "B": (d_out, r)}
@@ -384,8 +366,15 @@ def _check_shapes(file: str, model: nnx.Module, target: tuple[tuple[Any, ...], s
                          f"model with r={r} (an adapter for a different base model?)")
 
 
+def _module_at(model: nnx.Module, path: tuple[Any, ...]) -> Any:
+  """The submodule of `model` at `path` (e.g. `('layers', 0, 'self_attn', 'q_proj')`)."""
+  for p in path:
+    model = model[p] if isinstance(p, int) else getattr(model, p)
+  return model
+
+
 def _set_factors(model: nnx.Module, mpath: tuple[Any, ...], param: str | None, a: np.ndarray, b: np.ndarray) -> None:
-  module = _get(model, mpath)
+  module = _module_at(model, mpath)
   if param is None:
     module.lora_a.value = jnp.asarray(a.T, module.lora_a.dtype)
     module.lora_b.value = jnp.asarray(b.T, module.lora_b.dtype)

@@ -10,10 +10,10 @@ PEFT files (adapter_model.safetensors + adapter_config.json) are in `hackable_di
 """
 
 from hackable_diffusion.lora.adapters import (ALL_LINEAR, DEFAULT_TARGETS, LoRADropoutKey, LoRAExperts, LoRALinear,
-                                              LoraConfig, apply_lora, from_config, has_lora, lora_modules,
+                                              LoraConfig, apply_lora, has_lora, lora_modules,
                                               resolve_targets, set_dropout_key, targetable)
 from hackable_diffusion.lora.merge import adapter_num_params, merge, split
 
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoRADropoutKey", "LoRAExperts", "LoRALinear", "LoraConfig",
-           "adapter_num_params", "apply_lora", "from_config", "has_lora", "lora_modules", "merge", "resolve_targets",
+           "adapter_num_params", "apply_lora", "has_lora", "lora_modules", "merge", "resolve_targets",
            "set_dropout_key", "split", "targetable"]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hackable_diffusion.model import layers
-from hackable_diffusion.model.config import ConfigError
+from hackable_diffusion.errors import ConfigError
 
 Array = jax.Array
 ALL_LINEAR = "all-linear"
@@ -359,27 +359,6 @@ def _init_factors(key: Array, specs: tuple[tuple[tuple[int, ...], tuple[int, ...
   return out
 
 
-_SECTION_KEYS = ("enabled", "rank", "alpha", "dropout", "target_modules", "param_dtype", "seed")
-
-
-def from_config(model: nnx.Module, section: Mapping[str, Any]) -> tuple[nnx.Module, Any]:
-  """The `lora` section of an experiment config -> (wrapped model, trainable filter `nnx.LoRAParam`).
-
-  Keys: `enabled` (ignored here), `rank`, `alpha`, `dropout`, `target_modules` (a regex, a list of regexes or
-  'all-linear'), `param_dtype`, `seed` (adapter initialisation; default 0).
-  """
-  section = dict(section)
-  unknown = sorted(set(section) - set(_SECTION_KEYS))
-  if unknown:
-    raise ConfigError(f"lora section has unknown key(s) {unknown}; valid keys: {sorted(_SECTION_KEYS)}")
-  section.pop("enabled", None)
-  seed = section.pop("seed", 0)
-  if "target_modules" in section and not isinstance(section["target_modules"], str):
-    section["target_modules"] = tuple(section["target_modules"])
-  config = LoraConfig(**section)
-  return apply_lora(model, config, rngs=nnx.Rngs(seed)), nnx.LoRAParam
-
-
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
-           "LoraConfig", "apply_lora", "from_config", "has_lora", "lora_modules", "path_str", "resolve_targets",
+           "LoraConfig", "apply_lora", "has_lora", "lora_modules", "path_str", "resolve_targets",
            "set_dropout_key", "targetable"]

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import structure
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -104,7 +105,9 @@ class ModelConfig:
   # expert-sorted tiles (see `layers.tiled_experts`; fastest on CPU); "dense": every expert on every token, the
   # unselected weighted 0 (shards over an `expert` mesh axis); "ragged": `jax.lax.ragged_dot` (accelerators, large E).
   moe_impl: str = "tiled"
-  attention_structure: str | None = None  # task attention structure for the canvas (see model/structure.py)
+  # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
+  # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.
+  attention_structure: str | None = None
 
   def __post_init__(self):
     positive = (
@@ -150,6 +153,7 @@ class ModelConfig:
     for tid in ids:
       if not 0 <= tid < self.vocab_size:
         raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+    structure.canvas_mask(self)  # imports the structure and checks its mask now, not at the first forward pass
 
   # ---- derived --------------------------------------------------------------------------------------------------
   @property

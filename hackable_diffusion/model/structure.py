@@ -4,55 +4,70 @@ Not part of the reference architecture (a model using one cannot be exported to 
 budgets it decides results on structured tasks: a Sudoku denoiser whose heads only see each cell's
 row/column/box peers learns an order of magnitude faster than one with plain attention (see the Sudoku issue).
 
-A structure is a function `(config) -> bool array [heads or 1, canvas, canvas]` (True = may attend), named in
-`ModelConfig.attention_structure`. Built-in names resolve lazily to `module:function`; add your own with
-`register_structure(name, fn)`. The decoder applies the mask to canvas-to-canvas attention in every layer; the
-cached prefix (prompt) stays fully visible.
+A structure is a function `(config: ModelConfig) -> bool array [heads or 1, canvas, canvas]` (True = may attend)
+living in any importable module; `ModelConfig.attention_structure` names it as 'package.module:function' (e.g.
+'hackable_diffusion.tasks.sudoku.structure:peer_mask', what `SudokuTask().attention_structure()` returns). The
+model knows no task: the spec is imported on use and its result validated (shape, no position left without a key).
+The decoder applies the mask to canvas-to-canvas attention in every layer; the cached prefix (prompt) stays fully
+visible.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-StructureFn = Callable[..., np.ndarray]
+from hackable_diffusion import specs
+from hackable_diffusion.errors import ConfigError
 
-_BUILTIN = {
+StructureFn = Callable[[Any], np.ndarray]
+
+FIELD = "ModelConfig.attention_structure"
+# Short names of an earlier version, kept only to say what to write instead (they resolve to nothing).
+_RENAMED = {
     "sudoku_peers": "hackable_diffusion.tasks.sudoku.structure:peer_mask",
     "sudoku_peers_per_head": "hackable_diffusion.tasks.sudoku.structure:per_head_peer_mask",
 }
-_REGISTRY: dict[str, StructureFn] = {}
 
 
-def register_structure(name: str, fn: StructureFn) -> None:
-  """Registers `fn(config) -> [heads|1, C, C] bool` under `name`."""
-  _REGISTRY[name] = fn
+def check_spec(spec: str | None) -> None:
+  """A one-line `ConfigError` unless `spec` is None or has the form 'package.module:function' (imports nothing)."""
+  if spec is None:
+    return
+  if spec in _RENAMED:
+    raise ConfigError(f"{FIELD}={spec!r} is no longer a built-in name; write {_RENAMED[spec]!r}")
+  if not specs.is_spec(spec):
+    raise ConfigError(f"{FIELD}={spec!r}: expected None or 'package.module:function' returning a "
+                      "[heads|1, canvas, canvas] bool mask")
 
 
-def available() -> list[str]:
-  return sorted(set(_BUILTIN) | set(_REGISTRY))
+def get_structure(spec: str) -> StructureFn:
+  """The structure function `spec` ('package.module:function') names; a one-line `ConfigError` if there is none."""
+  check_spec(spec)
+  fn = specs.import_spec(spec, what=FIELD)
+  if not callable(fn):
+    raise ConfigError(f"{FIELD}={spec!r} is a {type(fn).__name__}, not a function of the model config")
+  return fn
 
 
-def get_structure(name: str) -> StructureFn:
-  if name in _REGISTRY:
-    return _REGISTRY[name]
-  if name in _BUILTIN:
-    module, fn = _BUILTIN[name].split(":")
-    return getattr(importlib.import_module(module), fn)
-  raise ValueError(f"unknown attention_structure {name!r}; available: {available()}")
+def canvas_mask(config: Any) -> np.ndarray | None:
+  """The `[1, heads|1, C, C]` bool mask of `config.attention_structure` (None when the model has none).
 
-
-def canvas_mask(config) -> np.ndarray | None:
-  """The `[1, heads|1, C, C]` mask of `config.attention_structure` (None when the model has none)."""
-  if config.attention_structure is None:
+  `config` is the `ModelConfig`; a one-line `ConfigError` when the function's result is not `[1 or heads, C, C]`
+  or leaves a canvas position with no key to attend to.
+  """
+  spec = config.attention_structure
+  if spec is None:
     return None
-  mask = np.asarray(get_structure(config.attention_structure)(config), bool)
+  mask = np.asarray(get_structure(spec)(config), bool)
   c, h = config.canvas_length, config.num_attention_heads
   if mask.ndim != 3 or mask.shape[1:] != (c, c) or mask.shape[0] not in (1, h):
-    raise ValueError(
-        f"attention_structure {config.attention_structure!r} returned shape {mask.shape}; expected (1 or {h}, {c}, {c})")
+    raise ConfigError(f"{FIELD}={spec!r} returned shape {mask.shape}; expected (1 or {h}, {c}, {c})")
   if not mask.any(axis=-1).all():
-    raise ValueError(f"attention_structure {config.attention_structure!r} leaves a canvas position with no key")
+    raise ConfigError(f"{FIELD}={spec!r} leaves a canvas position with no key")
   return mask[None]
+
+
+__all__ = ["FIELD", "StructureFn", "canvas_mask", "check_spec", "get_structure"]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hackable_diffusion import sharding
+import hackable_diffusion.sharding.logical as sharding
 from hackable_diffusion.model import layers, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig

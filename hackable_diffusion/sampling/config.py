@@ -3,7 +3,9 @@
 Defaults and meanings follow transformers' `DiffusionGemmaGenerationConfig` (5.23) for DiffusionGemma:
 `max_new_tokens=256`, `max_denoising_steps=48`, `entropy_bound=0.1`, a linear temperature from `t_max=0.8`
 (first step) towards `t_min=0.4`, `stability_threshold=1`, `confidence_threshold=0.005`. Fields left `None`
-(`eos_token_id`, `pad_token_id`, `canvas_length`) are filled from the model config by `resolve`.
+(`eos_token_id`, `pad_token_id`, `canvas_length`) are filled from the model config by `resolve`. The acceptance
+rule is chosen by name (`acceptance`, `acceptance_args`; see `sampling.rules`). Invalid values raise a one-line
+`hackable_diffusion.errors.ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.sampling import rules
 
 
 def _default_buckets() -> tuple[int, ...]:
@@ -27,7 +33,14 @@ def _is_real(value: Any) -> bool:
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
-  raise ValueError(f"SamplingConfig.{name}={value!r} is invalid: {allowed}")
+  raise ConfigError(f"SamplingConfig.{name}={value!r} is invalid: {allowed}")
+
+
+def _hashable(value: Any) -> Any:
+  """Lists (e.g. from a JSON config) -> tuples, recursively, so that the config stays hashable."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_hashable(v) for v in value)
+  return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +65,12 @@ class SamplingConfig:
     prompt_length_buckets: prompts are padded up to the next bucket so one compiled program serves many
       prompt lengths (padding is masked; results do not change). Longer prompts round up to a multiple of
       the largest bucket. `()` disables bucketing.
+    acceptance: the acceptance rule: 'entropy_bound' (default), 'top_k', 'confidence_threshold' (see
+      `sampling.rules.BUILTIN_RULES`) or 'package.module:Factory' (imported; `Factory(**acceptance_args)` must
+      return a rule). `acceptance_rule()` builds it.
+    acceptance_args: keyword arguments of the rule (a dict at construction; stored as a sorted tuple of
+      `(name, value)` pairs so the config stays hashable), e.g. `{'k': 8}` for 'top_k'. 'entropy_bound' without
+      a `bound` takes `entropy_bound` above.
   """
 
   max_new_tokens: int = 256
@@ -66,6 +85,19 @@ class SamplingConfig:
   canvas_length: int | None = None
   early_stopping: bool = True
   prompt_length_buckets: tuple[int, ...] = dataclasses.field(default_factory=_default_buckets)
+  acceptance: str = "entropy_bound"
+  acceptance_args: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> SamplingConfig:
+    """A config from a plain mapping of field names (e.g. a config-file section); unknown keys -> `ConfigError`."""
+    if not isinstance(values, Mapping):
+      raise ConfigError(f"SamplingConfig: expected a mapping of field names, got {type(values).__name__}")
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+      raise ConfigError(f"SamplingConfig: unknown key(s) {unknown}; valid keys: {', '.join(fields)}")
+    return cls(**dict(values))
 
   def __post_init__(self):
     for name in ("max_new_tokens", "max_denoising_steps"):
@@ -113,6 +145,30 @@ class SamplingConfig:
     if any(a >= b for a, b in zip(buckets, buckets[1:])):
       _fail("prompt_length_buckets", buckets, "must be strictly increasing")
     object.__setattr__(self, "prompt_length_buckets", buckets)
+    self._check_acceptance()
+
+  def _check_acceptance(self) -> None:
+    if not isinstance(self.acceptance, str) or not self.acceptance:
+      _fail("acceptance", self.acceptance, f"expected one of {sorted(rules.BUILTIN_RULES)} or 'package.module:Factory'")
+    args = () if self.acceptance_args is None else self.acceptance_args
+    if isinstance(args, Mapping) or hasattr(args, "items"):  # a dict, or e.g. an ml_collections ConfigDict
+      args = tuple(args.items())
+    if not isinstance(args, (tuple, list)) or not all(
+        isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) for a in args):
+      _fail("acceptance_args", self.acceptance_args, "must be a mapping of keyword arguments")
+    names = [a[0] for a in args]
+    if len(set(names)) != len(names):
+      _fail("acceptance_args", self.acceptance_args, "repeats an argument name")
+    args = tuple(sorted((name, _hashable(value)) for name, value in args))
+    try:
+      hash(args)
+    except TypeError:
+      _fail("acceptance_args", dict(args), "values must be numbers, strings, booleans or sequences of them")
+    object.__setattr__(self, "acceptance_args", args)
+    try:
+      self.acceptance_rule()
+    except ConfigError as e:
+      raise ConfigError(f"SamplingConfig.{e}") from None
 
   # ---- derived --------------------------------------------------------------------------------------------------
   @property
@@ -122,11 +178,18 @@ class SamplingConfig:
       return ()
     return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
 
+  def acceptance_rule(self) -> rules.AcceptanceRule:
+    """The acceptance rule `acceptance` / `acceptance_args` name (`EntropyBound(entropy_bound)` by default)."""
+    args = dict(self.acceptance_args)
+    if self.acceptance == "entropy_bound":
+      args.setdefault("bound", self.entropy_bound)
+    return rules.make_rule(self.acceptance, args)
+
   def num_canvases(self, canvas_length: int | None = None) -> int:
     """Canvases needed for `max_new_tokens` (rounded up)."""
     c = canvas_length or self.canvas_length
     if c is None:
-      raise ValueError("SamplingConfig.canvas_length is None; call resolve(model_config) first")
+      raise ConfigError("SamplingConfig.canvas_length is None; call resolve(model_config) first")
     return -(-self.max_new_tokens // c)
 
   def bucket_prompt_length(self, length: int) -> int:

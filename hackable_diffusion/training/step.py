@@ -1,8 +1,14 @@
-"""Pure, jitted train and eval steps: `(state, batch, key) -> (state, metrics)`.
+"""Pure, jitted train and eval steps: `(state, batch, key) -> (state, metrics)`, on one device or on a mesh.
 
 The model is split once into a graph definition and two states: the trainable variables (a filter, `nnx.Param`
 by default; `nnx.LoRAParam` under LoRA, so "train only adapters" is just a filter) and everything else
 (frozen weights, buffers such as `layer_scalar`). Only the trainable part has gradients and optimizer state.
+
+On a device mesh (`hackable_diffusion.sharding`) the same step is jitted with explicit shardings:
+
+  graphdef, state, shardings = init_train_state_sharded(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)), tx, mesh)
+  step = make_train_step(graphdef, tx, loss_config, mesh=mesh, shardings=shardings)
+  state, metrics = step(state, shard_batch(batch, mesh), key)
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
 from hackable_diffusion.lora import adapters as lora_adapters
+from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, Rules, activation_sharding, batch_sharding,
+                                                 constrain, replicated, state_shardings)
 
 Metrics = dict[str, jax.Array]
 
@@ -36,6 +45,36 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
   graphdef, params, rest = nnx.split(model, trainable, ...)
   opt_state = tx.init(params)
   return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt_state)
+
+
+def abstract_train_state(params: nnx.State, rest: nnx.State | None, tx: optax.GradientTransformation) -> TrainState:
+  """The `TrainState` of `params` / `rest` (arrays or shapes, kept as given) with the step counter and the
+  optimizer state as shapes (`jax.eval_shape(tx.init, params)`): a restore target, or input to `state_shardings`."""
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
+                    opt_state=jax.eval_shape(tx.init, params))
+
+
+def train_state_shardings(mesh: Mesh, params: nnx.State, rest: nnx.State | None, tx: optax.GradientTransformation,
+                          rules: Rules = LOGICAL_AXIS_RULES) -> TrainState:
+  """`NamedSharding`s of the `TrainState` of `params` / `rest` on `mesh` (optimizer state sharded like the params)."""
+  return state_shardings(mesh, abstract_train_state(params, rest, tx), rules)
+
+
+def init_train_state_sharded(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, *,
+                             trainable: Any = nnx.Param,
+                             rules: Rules = LOGICAL_AXIS_RULES) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+  """`(graphdef, state, shardings)`: a `TrainState` created directly in its shards (never whole on one device).
+
+  `model_fn` builds the model (e.g. `lambda: DiffusionGemma(config, rngs=nnx.Rngs(0))`); it is traced, not run
+  eagerly, and the compiled initialiser writes each shard on its own device.
+  """
+  graphdef = nnx.split(nnx.eval_shape(model_fn), trainable, ...)[0]  # what init_train_state splits into
+
+  def make():
+    return init_train_state(model_fn(), tx, trainable=trainable)[1]
+
+  shardings = state_shardings(mesh, jax.eval_shape(make), rules)
+  return graphdef, jax.jit(make, out_shardings=shardings)(), shardings
 
 
 def state_to_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
@@ -65,16 +104,29 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Calla
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
-                    grad_accum_steps: int = 1, lr_schedule: Callable | None = None,
-                    donate: bool = True,
-                    jit: bool = True) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
+                    grad_accum_steps: int = 1, lr_schedule: Callable | None = None, jit: bool = True,
+                    donate: bool = True, mesh: Mesh | None = None, shardings: TrainState | None = None,
+                    rules: Rules = LOGICAL_AXIS_RULES
+                    ) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
   """A jitted `(state, batch, key) -> (state, metrics)` (`jit=False`: the pure function, for callers that jit it
-  themselves, e.g. with explicit shardings in `hackable_diffusion.sharding.make_sharded_train_step`).
+  themselves); `donate`: the input state's buffers are reused for the output.
 
   Gradient accumulation splits the batch into `grad_accum_steps` micro-batches (scanned; keys folded with the
   micro-batch index) and averages their gradients and metrics. A non-finite loss or gradient leaves the state
   unchanged (`metrics['finite'] == False`), so the last good state is what a trainer saves.
+
+  `mesh`: the step for that mesh, with explicit in/out shardings: the state as `shardings` (required; from
+  `init_train_state_sharded`, `train_state_shardings` or `sharding.state_shardings`), the batch as
+  `sharding.batch_sharding(mesh)`, the key and metrics replicated. The caller passes the state already placed
+  (`sharding.shard_state` / `init_train_state_sharded` / a sharded restore) and batches from `sharding.shard_batch`.
+  Activations are constrained to the batch sharding where `sharding.constrain` is called (the batch itself here,
+  the model's residual stream). Compiles once per batch shape.
   """
+  if mesh is None and shardings is not None:
+    raise ValueError("make_train_step: shardings=... needs mesh=... (the mesh they place the state on)")
+  if mesh is not None and shardings is None:
+    raise ValueError("make_train_step: mesh=... needs shardings=... (e.g. train_state_shardings(mesh, params, rest, "
+                     "tx))")
   grad_fn = make_loss_and_grad(graphdef, loss_config)
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
@@ -106,12 +158,24 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
     return new, metrics
 
+  donate_argnums = (0,) if donate else ()
+  if mesh is None:
+    return jax.jit(step, donate_argnums=donate_argnums) if jit else step
+
+  def sharded_step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
+    with activation_sharding(mesh, rules):
+      batch = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), batch)
+      return step(state, batch, key)
+
   if not jit:
-    return step
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+    return sharded_step
+  rep = replicated(mesh)
+  return jax.jit(sharded_step, in_shardings=(shardings, batch_sharding(mesh, rules), rep),
+                 out_shardings=(shardings, rep), donate_argnums=donate_argnums)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable[[TrainState, SFTBatch, jax.Array], Metrics]:
+def make_eval_step(graphdef: nnx.GraphDef,
+                   loss_config: LossConfig) -> Callable[[TrainState, SFTBatch, jax.Array], Metrics]:
   """A jitted `(state, batch, key) -> metrics` (the training loss on held-out data)."""
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> Metrics:
@@ -119,3 +183,7 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable[
     return diffusion_loss(model, batch, key, loss_config)[1]
 
   return jax.jit(step)
+
+
+__all__ = ["Metrics", "TrainState", "abstract_train_state", "init_train_state", "init_train_state_sharded",
+           "make_eval_step", "make_loss_and_grad", "make_train_step", "state_to_model", "train_state_shardings"]

@@ -11,8 +11,11 @@ import torch.nn.functional as F
 
 import hackable_diffusion as hd
 from hackable_diffusion.data.sft import SFTBatch
-from hackable_diffusion.diffusion.loss import (LossConfig, cross_entropy, diffusion_loss, draw_noise,
-                                               uniform_elbo_integrand)
+from hackable_diffusion.diffusion import corruption
+from hackable_diffusion.diffusion.loss import (LOSS_TERMS, CorruptedCrossEntropy, FlatCrossEntropy, LossConfig,
+                                               UniformStateELBO, cross_entropy, diffusion_loss, draw_noise,
+                                               masked_mean, uniform_elbo_integrand)
+from hackable_diffusion.errors import ConfigError
 
 C, P, N = 4, 5, 3  # canvas, prompt width, canvases per completion
 
@@ -146,10 +149,48 @@ def test_elbo_variant_trains_a_finite_loss(setup):
 
 
 def test_loss_config_validation():
-  with pytest.raises(ValueError, match="loss_variant='mse'"):
-    LossConfig(variant="mse")
-  with pytest.raises(ValueError, match="self_conditioning_prob=1.5"):
-    LossConfig(self_conditioning_prob=1.5)
+  for kwargs, match in (({"variant": "mse"}, "loss_variant='mse'; expected one of"),
+                        ({"variant": "no_such_module_xyz:Term"}, "cannot import no_such_module_xyz"),
+                        ({"variant": "custom_components:Nope"}, "has no attribute 'Nope'"),
+                        ({"variant": "custom_components:NOT_CALLABLE"}, "is a str, not a class or function"),
+                        ({"variant": "custom_components:not_a_task"}, "must return a LossTerm"),
+                        ({"schedule": "cubic"}, "diffusion.schedule='cubic'"),
+                        ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5")):
+    with pytest.raises(ConfigError, match=match) as err:
+      LossConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_builtin_terms_are_the_documented_formulas(setup):
+  """Each built-in variant selects its `LossTerm`, which computes the formula of the module docstring."""
+  assert {name: type(LossConfig(variant=name).term) for name in LOSS_TERMS} == {
+      "flat": FlatCrossEntropy, "corrupted": CorruptedCrossEntropy, "elbo": UniformStateELBO}
+  _, _, batch = setup
+  noise = draw_noise(jax.random.key(1), batch, C, 64, LossConfig(time_eps=0.3))
+  logits = jax.random.normal(jax.random.key(2), (*noise.clean.shape, 64)) * 3
+  schedule = corruption.get_schedule("linear")
+  free = np.asarray(noise.valid) & ~np.asarray(noise.pinned)
+  ce = np.asarray(cross_entropy(logits, noise.clean))
+  np.testing.assert_allclose(float(FlatCrossEntropy()(logits, noise, schedule)), ce[free].mean(), rtol=1e-6)
+  hit = free & np.asarray(noise.corrupted)
+  np.testing.assert_allclose(float(CorruptedCrossEntropy()(logits, noise, schedule)), ce[hit].mean(), rtol=1e-6)
+  integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, 1 - noise.t, -jnp.ones_like(noise.t))
+  np.testing.assert_allclose(float(UniformStateELBO()(logits, noise, schedule)),
+                             float(masked_mean(integrand, noise.free)), rtol=1e-6)
+
+
+def test_a_loss_term_defined_outside_the_library_is_selected_by_spec(setup):
+  """'custom_components:DoubledFlat' (tests/custom_components.py) replaces the diffusion term: twice 'flat'."""
+  _, ours, batch = setup
+  noise = draw_noise(jax.random.key(3), batch, C, 64, LossConfig())
+
+  def diffusion_term(variant):
+    config = LossConfig(variant=variant, encoder_ar_weight=0.0)
+    return float(diffusion_loss(ours, batch, jax.random.key(0), config, noise=noise)[1]["diffusion_loss"])
+
+  flat = diffusion_term("flat")
+  assert flat > 0
+  np.testing.assert_allclose(diffusion_term("custom_components:DoubledFlat"), 2 * flat, rtol=1e-6)
 
 
 def test_pinned_tokens_are_never_corrupted_and_not_in_the_loss(setup):

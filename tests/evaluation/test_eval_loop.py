@@ -1,4 +1,4 @@
-"""Evaluation: task metrics and registry, toy data, the generation loop with task hooks, report and plot."""
+"""Evaluation: the generation loop with task hooks (built-in tasks and one defined in tests/), report and plot."""
 
 from __future__ import annotations
 
@@ -11,68 +11,11 @@ import pytest
 
 from hackable_diffusion.data import SFTDataConfig, train_tokenizer
 from hackable_diffusion.evaluation import loop
-from hackable_diffusion.evaluation.tasks import (TASKS, DigitsTask, EvalRecord, Task, TextTask, char_accuracy,
-                                                 exact_match, get_task, write_jsonl_splits)
 from hackable_diffusion.model.config import ConfigError, get_preset
 from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.tasks.base import BaseTask, get_task
+from hackable_diffusion.tasks.text import DigitsTask, TextTask
 from hackable_diffusion.training.config import EvalSection
-
-
-def _records(*pairs):
-  return [EvalRecord(prompt=p, completion=c) for p, c in pairs]
-
-
-def test_text_metrics():
-  recs = _records(("a", "123"), ("b", "456"), ("c", "789"))
-  m = TextTask().metrics(["123", " 456\n", "780"], recs)
-  assert m["exact_match"] == pytest.approx(2 / 3)
-  assert m["char_accuracy"] == pytest.approx(8 / 9)
-  assert m["length_match"] == 1.0
-  assert char_accuracy(["12"], ["123"]) == pytest.approx(2 / 3)  # missing characters count as wrong
-  assert exact_match([" x"], ["x"], strip=False) == 0.0
-  with pytest.raises(ValueError, match="2 predictions for 3 records"):
-    TextTask().metrics(["1", "2"], recs)
-
-
-def test_digits_task_data(tmp_path):
-  task = DigitsTask(op="sort", length=5, num_train=20, num_validation=4, seed=3)
-  train = task.records("train")
-  assert len(train) == 20 and all(r["completion"] == "".join(sorted(r["prompt"])) for r in train)
-  assert task.records("train") == train  # deterministic
-  assert task.records("validation") != train[:4]
-  assert DigitsTask(op="reverse").records("validation")[0]["completion"] == \
-      DigitsTask(op="reverse").records("validation")[0]["prompt"][::-1]
-  paths = task.make_data(str(tmp_path))
-  mtime = os.path.getmtime(paths["train"])
-  assert task.make_data(str(tmp_path)) == paths and os.path.getmtime(paths["train"]) == mtime  # reused
-  with open(paths["validation"]) as f:
-    assert [json.loads(line) for line in f] == task.records("validation")
-  DigitsTask(op="shift", length=5, num_train=20, num_validation=4, seed=3).make_data(str(tmp_path))
-  with open(paths["train"]) as f:  # a different spec regenerates the files
-    first = json.loads(f.readline())
-  assert first["completion"] == "".join(str((int(c) + 1) % 10) for c in first["prompt"])
-  with pytest.raises(ConfigError, match="op='bogus'"):
-    DigitsTask(op="bogus")
-
-
-def test_task_registry():
-  assert isinstance(get_task("text"), TextTask)
-  assert get_task("digits", {"op": "reverse"}).op == "reverse"
-  assert isinstance(get_task("hackable_diffusion.evaluation.tasks:TextTask", {"allowed_chars": "01"}), TextTask)
-  for name, args, match in (("nope", None, "unknown task 'nope'"),
-                            ("no.such.module:Task", None, "cannot import no.such.module"),
-                            ("hackable_diffusion.evaluation.tasks:Nope", None, "has no attribute 'Nope'"),
-                            ("digits", {"bogus": 1}, "bad task arguments")):
-    with pytest.raises(ConfigError, match=match) as err:
-      get_task(name, args)
-    assert "\n" not in str(err.value)
-  assert "sudoku" in TASKS  # plugs in lazily from hackable_diffusion.tasks.sudoku
-
-
-def test_write_jsonl_splits_is_atomic(tmp_path):
-  paths = write_jsonl_splits(str(tmp_path), {"v": 1}, {"train": lambda: [{"prompt": "a", "completion": "b"}]})
-  assert sorted(os.listdir(tmp_path)) == ["data_spec.json", "train.jsonl"]
-  assert open(paths["train"]).read() == '{"prompt": "a", "completion": "b"}\n'
 
 
 def test_eval_runs():
@@ -82,7 +25,7 @@ def test_eval_runs():
   assert all(r.sampling.max_new_tokens == 16 for r in runs)
 
 
-class _PinFirstDigit(Task):
+class _PinFirstDigit(BaseTask):
   """Pins the first canvas position to the target's first character; allows digits and EOS only."""
 
   name = "pinned"
@@ -154,6 +97,18 @@ def test_task_hooks_reach_the_sampler(setup):
   report = loop.run_evaluation(model, tok, data, _PinFirstDigit(), runs, batch_size=4, num_samples=4)
   assert report["runs"][0]["metrics"] == {"first_char_ok": 1.0, "extra_field": 1.5}
   assert all(set(s["prediction"]) <= set("0123456789") for s in report["samples"])
+
+
+def test_a_task_defined_outside_the_library_drives_the_loop(setup):
+  """A task from tests/custom_components.py, selected by 'module:factory' spec: its sampler hook (one digit, no
+  EOS) decides every prediction, and its metrics fill the report."""
+  _, tok, model, data = setup
+  task = get_task("custom_components:OneDigitTask", {"digit": "7"})
+  runs = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=2), max_new_tokens=8)[:1]
+  report = loop.run_evaluation(model, tok, data, task, runs, batch_size=4, num_samples=4)
+  assert report["primary_metric"] == "all_digit"
+  assert report["runs"][0]["metrics"] == {"all_digit": 1.0, "mean_length": 8.0, "mean_prompt_length": 5.0}
+  assert [s["prediction"] for s in report["samples"]] == ["77777777"] * 4
 
 
 class _DigitsOnly(TextTask):

@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 import hackable_diffusion as hd
 from hackable_diffusion import lora
+from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.interop import peft as peft_io
-from hackable_diffusion.model.config import ConfigError
 from hackable_diffusion.model.transformer import forward
 
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -115,6 +115,10 @@ def test_export_peft_and_bad_inputs(adapted, tmp_path):
     export_lib.generation_config(plain.config, {"entropy": 0.1})
   with pytest.raises(ValueError, match="t_min"):
     export_lib.generation_config(plain.config, {"t_min": 0.9, "t_max": 0.8})
+  with pytest.raises(ConfigError, match="acceptance='top_k'.*no transformers equivalent"):
+    export_lib.generation_config(plain.config, {"acceptance": "top_k", "acceptance_args": {"k": 2}})
+  bound = export_lib.generation_config(plain.config, {"acceptance_args": {"bound": 0.25}})
+  assert bound["sampler_config"]["entropy_bound"] == 0.25
   with pytest.raises(ConfigError, match="dtype='int8'"):
     export_lib.export_merged(plain, str(tmp_path / "y"), dtype="int8")
   assert not os.path.exists(tmp_path / "y")
@@ -165,7 +169,9 @@ def workdir(hf_factory, tmp_path_factory):
   cfg.lora = ml_collections.ConfigDict(dict(enabled=True, rank=2, alpha=4, target_modules=("all-linear", "experts")))
   wd = str(tmp_path_factory.mktemp("lora_run"))
   trainer.train(cfg, wd, progress=False)
-  return base, wd, trainer.load_run(wd)
+  from hackable_diffusion.training import run as run_lib
+
+  return base, wd, run_lib.load_run(wd)
 
 
 def _tiny_config() -> ml_collections.ConfigDict:

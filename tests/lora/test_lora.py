@@ -92,16 +92,6 @@ def test_regex_matching_nothing_names_it_and_lists_paths(base):
   assert "\n" not in msg
 
 
-def test_from_config_section(base):
-  model, filt = lora.from_config(base, {"enabled": True, "rank": 2, "alpha": 4, "target_modules": ["q_proj"],
-                                        "seed": 3})
-  assert filt is nnx.LoRAParam
-  assert [lora.adapters.path_str(p) for p, _ in lora.lora_modules(model)] == [
-      "layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"]
-  with pytest.raises(ValueError, match=r"unknown key\(s\) \['rnak'\]"):
-    lora.from_config(base, {"enabled": True, "rnak": 2})
-
-
 # ---- wrapping ------------------------------------------------------------------------------------------------------
 def test_base_paths_unchanged_and_adapters_separate(base, wrapped):
   before = _flat(nnx.state(base))

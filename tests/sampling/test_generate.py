@@ -6,19 +6,61 @@ so every position is accepted and nothing is re-noised) with the same starting c
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hackable_diffusion as hd
+from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.sampling import entropy_bound as eb
 from hackable_diffusion.sampling import generate as gen_mod
+from hackable_diffusion.sampling import rules
 
 torch = pytest.importorskip("torch")
 hf_gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
 
 VOCAB, CANVAS, PROMPT, BATCH, CANVASES, STEPS = 128, 8, 7, 3, 3, 6
 DET = dict(t_min=1e-4, t_max=2e-4, entropy_bound=1e9)  # deterministic regime
+
+
+# ---- acceptance rules defined here, not in the library (selected by `SamplingConfig(acceptance='module:Class')`) --
+@flax.struct.dataclass
+class LowestK:
+  """Accepts the `k` lowest-entropy positions per row: `rules.TopK` written independently (stable ranks)."""
+
+  k: Any
+
+  def __call__(self, token_entropy, processed_logits, step, num_steps):
+    order = jnp.argsort(token_entropy, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)
+    return rank < self.k
+
+
+class _Sink:
+  """Collects (token entropies, accept mask) of every step on the host (hashable by identity)."""
+
+  def __init__(self):
+    self.records: list[tuple[np.ndarray, np.ndarray]] = []
+
+  def __call__(self, token_entropy, accept):
+    self.records.append((np.asarray(token_entropy), np.asarray(accept)))
+
+
+@flax.struct.dataclass
+class RecordingEntropyBound:
+  """`rules.EntropyBound` that also reports what it saw and decided (the sink is static: part of the compile key)."""
+
+  bound: Any
+  sink: _Sink = flax.struct.field(pytree_node=False)
+
+  def __call__(self, token_entropy, processed_logits, step, num_steps):
+    accept = eb.accept_entropy_bound(token_entropy, self.bound)
+    jax.debug.callback(self.sink, token_entropy, accept)
+    return accept
 
 
 @pytest.fixture(scope="module")
@@ -148,20 +190,17 @@ def test_entropy_bound_governs_acceptance(models, inputs):
   """Stochastic regime: every step accepts exactly the positions the bound allows, at least one per row."""
   _, ours = models
   ids, mask, _ = inputs
-  records = []
-
-  def record(token_entropy, mask_):
-    records.append((np.asarray(token_entropy), np.asarray(mask_)))
-
-  def accept(token_entropy, logits, step, num_steps):
-    m = eb.accept_entropy_bound(token_entropy, 0.3)
-    jax.debug.callback(record, token_entropy, m)
-    return m
-
+  sink = _Sink()
   cfg = hd.SamplingConfig(max_new_tokens=CANVASES * CANVAS, max_denoising_steps=12, t_min=0.2, t_max=0.4,
                           eos_token_id=VOCAB - 1, pad_token_id=0, early_stopping=False)
-  out = gen_mod.generate(ours, ids, cfg, rng=jax.random.key(5), attention_mask=mask, accept_fn=accept)
+  out = gen_mod.generate(ours, ids, cfg, rng=jax.random.key(5), attention_mask=mask,
+                         acceptance=RecordingEntropyBound(0.3, sink))
+  records = sink.records
   assert len(records) == 12 * (np.asarray(out.sequences).shape[1] - PROMPT) // CANVAS
+  # the recording rule decides exactly as the built-in one: same sequences from the same key
+  plain = gen_mod.generate(ours, ids, cfg, rng=jax.random.key(5), attention_mask=mask,
+                           acceptance=rules.EntropyBound(0.3))
+  np.testing.assert_array_equal(np.asarray(plain.sequences), np.asarray(out.sequences))
   peaked = 0
   for ent, m in records:
     for e, row in zip(ent.astype(np.float64), m):
@@ -179,6 +218,72 @@ def test_entropy_bound_governs_acceptance(models, inputs):
   tight = gen_mod.generate(ours, ids, cfg.replace(entropy_bound=1e-3, early_stopping=True, max_denoising_steps=48),
                            rng=jax.random.key(5), attention_mask=mask)
   assert np.asarray(tight.denoising_steps).mean() > np.asarray(loose.denoising_steps).mean()
+
+
+def test_rule_defined_outside_the_library_is_selected_from_the_config(models, inputs):
+  """`SamplingConfig(acceptance='<this test module>:LowestK', acceptance_args={'k': ...})` runs that rule: the result
+  is the built-in `TopK` one bit for bit, and the value of `k` changes it."""
+  _, ours = models
+  ids, mask, _ = inputs
+  spec = f"{__name__}:LowestK"  # this module as pytest imported it (importable by that name from sys.modules)
+  cfg = hd.SamplingConfig(max_new_tokens=2 * CANVAS, max_denoising_steps=STEPS, eos_token_id=VOCAB - 1,
+                          pad_token_id=0, early_stopping=False)
+  custom = cfg.replace(acceptance=spec, acceptance_args={"k": 2})
+  assert custom.acceptance_rule() == LowestK(2) and custom.acceptance_args == (("k", 2),)
+
+  def run(config, acceptance=None):
+    out = gen_mod.generate(ours, ids, config, rng=jax.random.key(8), attention_mask=mask, acceptance=acceptance)
+    return np.asarray(out.sequences)
+
+  got = run(custom)
+  np.testing.assert_array_equal(got, run(cfg, rules.TopK(2)))
+  np.testing.assert_array_equal(got, run(cfg.replace(acceptance="top_k", acceptance_args={"k": 2})))
+  assert not np.array_equal(got, run(cfg))  # the default entropy bound decides differently...
+  assert not np.array_equal(got, run(custom.replace(acceptance_args={"k": CANVAS})))  # ...and so does another k
+  with pytest.raises(ConfigError, match="acceptance_args"):
+    cfg.replace(acceptance=spec, acceptance_args={"kk": 2})
+
+
+def test_equal_rules_and_other_values_compile_once(models, inputs):
+  """The rule's numbers are traced: an equal rule, other values of the same class (given as an object or through
+  the config) and another callback reuse one denoise program; another rule class traces once more."""
+  _, ours = models
+  ids, mask, _ = inputs
+  cfg = hd.SamplingConfig(max_new_tokens=CANVAS, max_denoising_steps=3, pad_token_id=0, eos_token_id=VOCAB - 1)
+
+  def run(config=cfg, **kwargs):
+    return gen_mod.generate(ours, ids, config, rng=jax.random.key(9), attention_mask=mask, **kwargs)
+
+  run(acceptance=rules.EntropyBound(0.2))
+  before = gen_mod.trace_counts()
+  run(acceptance=rules.EntropyBound(0.2))  # an equal rule (another object)
+  run(acceptance=rules.EntropyBound(np.float64(0.7)))  # another value (and Python / numpy scalar types)
+  run(cfg.replace(entropy_bound=1e9))  # the config's default rule: EntropyBound(entropy_bound)
+  run(cfg.replace(acceptance_args={"bound": 0.05}))
+  assert gen_mod.trace_counts() == before
+  run(acceptance=rules.TopK(2))  # another class: one more trace...
+  run(acceptance=rules.TopK(5))  # ...and none for another k
+  assert gen_mod.trace_counts()["denoise"] == before["denoise"] + 1
+  assert gen_mod.trace_counts()["encode"] == before["encode"]
+
+
+def test_program_cache_is_bounded_and_counts_traces():
+  from hackable_diffusion.sampling.programs import ProgramCache
+
+  cache = ProgramCache(max_size=2)
+
+  def build(program):
+    def fn(x, call_id):
+      program.on_trace()
+      return x + 1
+    return fn
+
+  programs = [cache.get(("p", i), "encode", build) for i in range(3)]
+  for p in programs:
+    p(jnp.zeros(2))
+  assert cache.get(("p", 2), "encode", build) is programs[2]  # cached
+  assert cache.get(("p", 0), "encode", build) is not programs[0]  # evicted (least recently used)
+  assert cache.trace_counts() == {"encode": 3, "denoise": 0}  # evicted programs' traces still count
 
 
 def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
@@ -242,6 +347,8 @@ def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
         (dict(callback=3), "callback must be callable"),
         (dict(rng=7), "rng must be a single jax.random key"),
         (dict(config=dict(max_new_tokens=8)), "config must be a SamplingConfig"),
+        (dict(acceptance=3), "acceptance: expected an acceptance rule"),
+        (dict(acceptance=rules.EntropyBound("a")), "is not a number"),
     ],
 )
 def test_input_validation(models, kwargs, message):

@@ -6,6 +6,8 @@ import types
 
 import pytest
 
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.sampling import rules
 from hackable_diffusion.sampling.config import SamplingConfig
 
 
@@ -54,10 +56,22 @@ def test_frozen_and_keyword_only():
         (dict(early_stopping=1), "early_stopping"),
         (dict(prompt_length_buckets=(16, 8)), "prompt_length_buckets"),
         (dict(prompt_length_buckets=(0,)), "prompt_length_buckets"),
+        (dict(acceptance="nope"), "acceptance"),
+        (dict(acceptance=3), "acceptance"),
+        (dict(acceptance="no_such_module_xyz:Rule"), "acceptance"),
+        (dict(acceptance="math:NoSuchRule"), "acceptance"),
+        (dict(acceptance="math:pi"), "acceptance"),  # not callable
+        (dict(acceptance="builtins:dict"), "acceptance"),  # returns something that is not a rule
+        (dict(acceptance="top_k", acceptance_args={"kk": 2}), "acceptance_args"),
+        (dict(acceptance="top_k", acceptance_args={"k": 0}), "acceptance_args"),
+        (dict(acceptance="confidence_threshold", acceptance_args={"threshold": 1.5}), "acceptance_args"),
+        (dict(acceptance_args={"bound": -1.0}), "acceptance_args"),
+        (dict(acceptance_args={"bound": {"a": 1}}), "acceptance_args"),  # unhashable value
+        (dict(acceptance_args=[1, 2]), "acceptance_args"),
     ],
 )
 def test_validation_names_field_and_value(kwargs, field):
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(ConfigError) as info:  # a ValueError
     SamplingConfig(**kwargs)
   msg = str(info.value)
   assert f"SamplingConfig.{field}=" in msg
@@ -94,3 +108,35 @@ def test_num_canvases_and_buckets():
   assert SamplingConfig(prompt_length_buckets=()).bucket_prompt_length(13) == 13
   with pytest.raises(ValueError, match="canvas_length"):
     SamplingConfig().num_canvases()
+
+
+def test_acceptance_rule_from_the_config():
+  assert SamplingConfig().acceptance_rule() == rules.EntropyBound(0.1)  # transformers' setting, by its name
+  assert SamplingConfig(entropy_bound=0.5).acceptance_rule() == rules.EntropyBound(0.5)
+  assert SamplingConfig(acceptance_args={"bound": 0.2}).acceptance_rule() == rules.EntropyBound(0.2)
+  cfg = SamplingConfig(acceptance="top_k", acceptance_args={"k": 3})
+  assert cfg.acceptance_rule() == rules.TopK(3) and cfg.acceptance_args == (("k", 3),)
+  assert cfg == SamplingConfig(acceptance="top_k", acceptance_args=(("k", 3),)) and hash(cfg) == hash(
+      SamplingConfig(acceptance="top_k", acceptance_args=(("k", 3),)))  # frozen, hashable: a dict is stored sorted
+  assert SamplingConfig(acceptance="confidence_threshold").acceptance_rule() == rules.ConfidenceThreshold(0.9)
+  spec = SamplingConfig(acceptance="hackable_diffusion.sampling.rules:TopK", acceptance_args={"k": 2})
+  assert spec.acceptance_rule() == rules.TopK(2)
+  with pytest.raises(ConfigError, match=r"^SamplingConfig.acceptance_args=\{\} is invalid for acceptance='top_k'"):
+    SamplingConfig(acceptance="top_k")  # k is required
+  assert hash(rules.TopK(3)) == hash(rules.TopK(3)) and rules.TopK(3) != rules.TopK(4)  # by value
+
+
+def test_from_dict():
+  values = dict(max_new_tokens=64, max_denoising_steps=16, entropy_bound=0.2, t_min=0.1, t_max=0.5,
+                stability_threshold=2, confidence_threshold=0.01, early_stopping=False, canvas_length=32,
+                eos_token_id=[1, 106], pad_token_id=0, prompt_length_buckets=[32, 64], acceptance="top_k",
+                acceptance_args={"k": 4})
+  cfg = SamplingConfig.from_dict(values)
+  assert cfg.eos_token_id == (1, 106) and cfg.prompt_length_buckets == (32, 64)
+  assert cfg.acceptance_rule() == rules.TopK(4)
+  assert SamplingConfig.from_dict({}) == SamplingConfig()
+  with pytest.raises(ConfigError, match=r"unknown key\(s\) \['bogus', 'temperature'\]") as info:
+    SamplingConfig.from_dict(dict(temperature=1.0, bogus=1, t_min=0.1))
+  assert "\n" not in str(info.value) and "max_new_tokens" in str(info.value)
+  with pytest.raises(ConfigError, match="SamplingConfig.t_min="):
+    SamplingConfig.from_dict(dict(t_min=-1.0))

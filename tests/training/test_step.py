@@ -78,3 +78,29 @@ def test_gradient_accumulation_runs_microbatches_and_rejects_bad_sizes():
   three = make_train_step(graphdef, tx, LossConfig(), grad_accum_steps=3, donate=False)
   with pytest.raises(ValueError, match="grad_accum_steps=3"):
     three(state, _batch(), jax.random.key(0))
+
+
+def test_train_state_shapes_and_shardings(stepper):
+  """`abstract_train_state` / `train_state_shardings` mirror the `TrainState` (what a mesh step and a restore need)."""
+  from hackable_diffusion.sharding import make_mesh
+  from hackable_diffusion.training.step import abstract_train_state, train_state_shardings
+
+  _, state, _ = stepper
+  tx, _ = make_optimizer(OptimizerConfig(peak_lr=3e-3, warmup_steps=0, decay_steps=100))
+  abstract = abstract_train_state(state.params, state.rest, tx)
+  assert jax.tree.structure(abstract) == jax.tree.structure(state)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((abstract.step, abstract.opt_state)))
+  shardings = train_state_shardings(make_mesh(), state.params, state.rest, tx)
+  assert jax.tree.structure(shardings) == jax.tree.structure(state)
+  assert all(isinstance(s, jax.sharding.NamedSharding) for s in jax.tree.leaves(shardings))
+
+
+def test_mesh_and_shardings_go_together(stepper):
+  from hackable_diffusion.sharding import make_mesh
+
+  graphdef, state, _ = stepper
+  tx, _ = make_optimizer(OptimizerConfig())
+  with pytest.raises(ValueError, match=r"mesh=\.\.\. needs shardings"):
+    make_train_step(graphdef, tx, LossConfig(), mesh=make_mesh())
+  with pytest.raises(ValueError, match=r"shardings=\.\.\. needs mesh"):
+    make_train_step(graphdef, tx, LossConfig(), shardings=state)

@@ -15,8 +15,10 @@ import pytest
 from flax import nnx
 
 from hackable_diffusion.training import checkpointing
+from hackable_diffusion import cli
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import logging as log_lib
+from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 STEPS = 500
@@ -86,7 +88,7 @@ def test_workdir_layout_and_metrics(trained):
     saved = json.load(f)
   assert saved["train"]["steps"] == STEPS and saved["eval"]["step_budgets"] == [2, 8]
   # the saved config rebuilds the same typed config
-  again = config_lib.ExperimentConfig.from_config_dict(config_lib.workdir_config(workdir))
+  again = config_lib.ExperimentConfig.from_config_dict(cli.workdir_config(workdir))
   assert again.train.steps == STEPS and again.eval.step_budgets == (2, 8)
   records = log_lib.read_metrics(workdir)
   train_steps = [r["step"] for r in records if "train/loss" in r]
@@ -104,7 +106,7 @@ def test_workdir_layout_and_metrics(trained):
 
 def test_load_run_restores_the_trained_model(trained):
   workdir, _ = trained
-  run = trainer_lib.load_run(workdir)
+  run = run_lib.load_run(workdir)
   assert run.step == STEPS
   assert run.model.config.vocab_size == run.tokenizer.vocab_size == 14
   with trainer_lib.SFTTrainer(tiny_config(**{"train.steps": STEPS}), workdir, progress=False) as t:
@@ -117,7 +119,7 @@ def test_load_run_restores_the_trained_model(trained):
 
 
 def _params(workdir, step):
-  return trainer_lib.load_run(workdir, step=step).model
+  return run_lib.load_run(workdir, step=step).model
 
 
 def test_exact_resume(tmp_path):
@@ -161,7 +163,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_state(tmp_path):
   assert 0 <= step < 50
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   assert ckpt.latest_step() == step
-  model = trainer_lib.load_run(workdir).model
+  model = run_lib.load_run(workdir).model
   leaves = jax.tree.leaves(nnx.state(model))
   assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
   records = log_lib.read_metrics(workdir)

@@ -1,8 +1,19 @@
-"""Sudoku attention structure for the canvas: each cell attends to its row, column and box peers (and itself)."""
+"""Sudoku attention structure for the canvas: each cell attends to its row, column and box peers (and itself).
+
+Named in a model config by spec: `ModelConfig(attention_structure=PEER_MASK)` with
+`PEER_MASK = 'hackable_diffusion.tasks.sudoku.structure:peer_mask'` (what `SudokuTask().attention_structure()`
+returns), or `PER_HEAD_PEER_MASK` for heads that specialise in rows / columns / boxes. See
+`hackable_diffusion.model.structure` for how the model applies it.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+
+from hackable_diffusion.errors import ConfigError
+
+PEER_MASK = "hackable_diffusion.tasks.sudoku.structure:peer_mask"
+PER_HEAD_PEER_MASK = "hackable_diffusion.tasks.sudoku.structure:per_head_peer_mask"
 
 
 def peer_matrix() -> np.ndarray:
@@ -14,22 +25,26 @@ def peer_matrix() -> np.ndarray:
   return same(row) | same(col) | same(box)
 
 
-def _check(config) -> None:
+def check_canvas(config) -> None:
+  """A one-line `ConfigError` unless the model's canvas holds exactly one grid (`canvas_length=81`)."""
   if config.canvas_length != 81:
-    raise ValueError(f"the Sudoku structure needs canvas_length=81, got {config.canvas_length}")
+    raise ConfigError(f"the Sudoku attention structure needs canvas_length=81, got {config.canvas_length}")
 
 
 def peer_mask(config) -> np.ndarray:
-  """Every head sees the peers: [1, 81, 81]."""
-  _check(config)
+  """Every head sees the peers: [1, 81, 81] bool."""
+  check_canvas(config)
   return peer_matrix()[None]
 
 
 def per_head_peer_mask(config) -> np.ndarray:
-  """Heads cycle through row / column / box / all-peers views: [heads, 81, 81]."""
-  _check(config)
+  """Heads cycle through row / column / box / all-peers views: [heads, 81, 81] bool."""
+  check_canvas(config)
   idx = np.arange(81)
   row, col = idx // 9, idx % 9
   box = (row // 3) * 3 + col // 3
   views = [a[:, None] == a[None, :] for a in (row, col, box)] + [peer_matrix()]
   return np.stack([views[h % len(views)] for h in range(config.num_attention_heads)])
+
+
+__all__ = ["PEER_MASK", "PER_HEAD_PEER_MASK", "check_canvas", "peer_mask", "peer_matrix", "per_head_peer_mask"]

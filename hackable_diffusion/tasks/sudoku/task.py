@@ -1,32 +1,34 @@
-"""Sudoku as an evaluation task: generated data, digit-only sampling, pinned givens, solved-rate metrics.
+"""Sudoku as a task: generated data, digit-only sampling, pinned givens, solved-rate metrics, peer attention.
 
-Registered as `eval.task='sudoku'` / `data.generator='sudoku'` (see `hackable_diffusion.evaluation.tasks`).
+Built in as `eval.task='sudoku'` / `data.generator='sudoku'` (see `hackable_diffusion.tasks.base.get_task`); its
+attention structure is `SudokuTask().attention_structure()` (`structure.PEER_MASK`) for
+`ModelConfig.attention_structure`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from hackable_diffusion.evaluation.tasks import EvalRecord, Task
-from hackable_diffusion.model.config import ConfigError
-from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.tasks.base import BaseTask, EvalRecord, check_lengths, data_spec_matches, write_data_spec
+from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics, plots, structure
 
 DIGITS = "123456789"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SudokuTask(Task):
+class SudokuTask(BaseTask):
   """Solve 9x9 puzzles: prompt = 81 chars ('0' blank), completion = 81 digits.
 
   num_train / num_validation / num_test, seed, easy/medium/hard (bucket weights) and workers shape the
   generated data (`make_data`). At evaluation, `pin_givens` starts the canvas from the givens and pins them
-  (the sampler never changes them); `digits_only` restricts sampling to the digits 1-9.
+  (the sampler never changes them); `digits_only` restricts sampling to the digits 1-9. Its attention structure
+  lets each cell see its row / column / box peers (`structure.peer_mask`).
   """
 
   num_train: int = 20_000
@@ -59,14 +61,8 @@ class SudokuTask(Task):
 
   def make_data(self, out_dir: str) -> dict[str, str]:
     """Writes train/validation/test JSONL into `out_dir` (once; regenerated if the generation arguments change)."""
-    spec_path = os.path.join(out_dir, "data_spec.json")
-    try:
-      with open(spec_path, encoding="utf-8") as f:
-        same = json.load(f) == self._spec()
-    except (OSError, json.JSONDecodeError):
-      same = False
     paths = dataset.dataset_paths(out_dir)
-    if not (same and all(p.exists() for p in paths.values())):
+    if not (data_spec_matches(out_dir, self._spec()) and all(p.exists() for p in paths.values())):
       if os.path.isdir(out_dir):
         for p in paths.values():
           if p.exists():
@@ -74,10 +70,7 @@ class SudokuTask(Task):
       weights = {"easy": self.easy, "medium": self.medium, "hard": self.hard}
       dataset.write_dataset(out_dir, num_train=self.num_train, num_validation=self.num_validation,
                             num_test=self.num_test, seed=self.seed, bucket_weights=weights, workers=self.workers)
-      tmp = spec_path + ".tmp"
-      with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(self._spec(), f, sort_keys=True)
-      os.replace(tmp, spec_path)
+      write_data_spec(out_dir, self._spec())
     return {split: str(p) for split, p in paths.items()}
 
   # ---- sampling hooks ------------------------------------------------------------------------------------------
@@ -101,15 +94,16 @@ class SudokuTask(Task):
     return noise, pinned
 
   def plot_trajectory(self, trajectory: Mapping[str, Any], path: str) -> str | None:
-    from hackable_diffusion.tasks.sudoku.plots import plot_canvas_trajectory  # local import: matplotlib
+    return plots.plot_canvas_trajectory(trajectory, path)  # imports matplotlib on first use
 
-    return plot_canvas_trajectory(trajectory, path)
+  def attention_structure(self) -> str | None:
+    """Each canvas cell attends to its row / column / box peers: `structure.PEER_MASK`."""
+    return structure.PEER_MASK
 
   # ---- metrics ---------------------------------------------------------------------------------------------------
   def metrics(self, predictions: Sequence[str], records: Sequence[EvalRecord]) -> dict[str, float]:
     """Solved rate and blank-cell accuracy, overall and per bucket (easy >= 40 givens, medium 30-39, hard < 30)."""
-    if len(predictions) != len(records):
-      raise ValueError(f"{len(predictions)} predictions for {len(records)} records")
+    check_lengths(predictions, records)
     preds = np.stack([metrics.parse_prediction(p) for p in predictions])
     puzzles = np.stack([formatting.parse_grid(r.prompt) for r in records])
     solutions = np.stack([formatting.parse_grid(r.completion) for r in records])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hackable_diffusion.data.tokenizer import train_tokenizer
-from hackable_diffusion.evaluation.tasks import EvalRecord, get_task
-from hackable_diffusion.model.config import ConfigError
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.tasks.base import EvalRecord, get_task
 from hackable_diffusion.tasks.sudoku import formatting
 
 SOLUTION = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"

@@ -1,9 +1,9 @@
-"""Multi-device checks of `hackable_diffusion.sharding`, run by `tests/test_sharding.py` in a subprocess.
+"""Multi-device checks of sharding, run by `tests/sharding/test_multi_device.py` in a subprocess.
 
 JAX fixes its device count when it initialises, and the test process has long initialised it with one CPU
 device, so these checks run here with 8 fake CPU devices (`--xla_force_host_platform_device_count=8`).
-Usage: `python tests/sharding_worker.py train|misc|trainer OUT.json`; writes measurements (numbers, specs) as JSON and
-lets the test assert on them.
+Usage: `python tests/sharding/multi_device_worker.py train|misc|trainer OUT.json`; writes measurements (numbers,
+specs) as JSON and lets the test assert on them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-# the repository root first: `python tests/sharding_worker.py` would otherwise put only tests/ on the path
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository root first: `python tests/sharding/multi_device_worker.py` would otherwise put only tests/sharding/
+# on the path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
@@ -38,7 +39,8 @@ from hackable_diffusion.diffusion.loss import LossConfig  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model  # noqa: E402
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
-from hackable_diffusion.training.step import init_train_state, make_train_step  # noqa: E402
+from hackable_diffusion.training.step import (init_train_state, init_train_state_sharded,  # noqa: E402
+                                              make_train_step)
 
 CFG = get_preset("tiny")
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring event of every XLA compile
@@ -96,7 +98,7 @@ def run_train() -> dict:
     mesh = mesh_of(shape)
     shardings = sh.state_shardings(mesh, state0)
     state = sh.shard_state(state0, shardings)
-    step = sh.make_sharded_train_step(graphdef, tx, loss_config, mesh, state, lr_schedule=schedule)
+    step = make_train_step(graphdef, tx, loss_config, lr_schedule=schedule, mesh=mesh, shardings=shardings)
     sharded = [sh.shard_batch(b, mesh) for b in batches]
     b3, k3 = sh.shard_batch(batch(3), mesh), jax.random.key(12)
     compiles: list[str] = []
@@ -155,7 +157,7 @@ def run_train() -> dict:
 def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
   """`hd.generate(..., mesh=)` of an unsharded model on 2x2x2x1 == one device, with every batch input (ids, mask,
   seed canvas, pins, per-row allowed tokens); records what the compiled denoising loop was given."""
-  from hackable_diffusion.sampling import generate as generate_lib
+  from hackable_diffusion.sampling import programs as programs_lib
 
   rng = np.random.default_rng(1)
   pins = rng.random(seed.shape) < 0.3
@@ -165,25 +167,25 @@ def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
   kwargs = dict(rng=jax.random.key(1), attention_mask=mask, seed_canvas=seed, pinned=pins, allowed_token_ids=allowed)
   single = hd.generate(init_model(CFG, 3), ids, sampling, **kwargs)
   seen: dict = {}
-  original = generate_lib._denoise_fn
+  original = programs_lib.denoise_program
 
   def spy(graphdef, static, mesh=None):  # records the placement of the denoising loop's arguments
     fn = original(graphdef, static, mesh)
 
-    def call(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, scalars):
+    def call(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, *rest, **kw):
       seen.update(seed=spec(seed_canvas), pinned=spec(pinned), allowed=spec(allowed_arg), frozen=spec(frozen),
                   cache_valid=spec(cache.valid), cache_key=spec(cache.keys[0]),
                   embed=spec(state["embed_tokens"][...]))
-      return fn(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, scalars)
+      return fn(state, cache, key, seed_canvas, use_seed, pinned, allowed_arg, structure, frozen, *rest, **kw)
 
     return call
 
   mesh = mesh_of((2, 2, 2, 1))
-  generate_lib._denoise_fn = spy
+  programs_lib.denoise_program = spy
   try:
     sharded = hd.generate(init_model(CFG, 3), ids, sampling, mesh=mesh, **kwargs)
   finally:
-    generate_lib._denoise_fn = original
+    programs_lib.denoise_program = original
   try:
     hd.generate(init_model(CFG, 3), ids[:3], sampling, rng=jax.random.key(1), mesh=mesh)
     bad = ""
@@ -253,8 +255,7 @@ def run_misc() -> dict:
   }
 
   # a TrainState initialised directly in its shards == initialised on one device, then sharded
-  graphdef, state_b, shardings_b = sh.init_train_state_sharded(lambda: DiffusionGemma(CFG, rngs=nnx.Rngs(4)), tx,
-                                                              mesh_b)
+  graphdef, state_b, shardings_b = init_train_state_sharded(lambda: DiffusionGemma(CFG, rngs=nnx.Rngs(4)), tx, mesh_b)
   graphdef_1, _ = init_train_state(init_model(CFG, 4), tx)
   out["init"] = {
       "max_diff": max_diff(state_b, state0),
@@ -270,8 +271,8 @@ def run_misc() -> dict:
     save_pretrained(model, tmp, max_shard_size=20_000)
     n_files = len([f for f in os.listdir(tmp) if f.endswith(".safetensors")])
     reference = load_pretrained(tmp)
-    loaded = sh.load_pretrained_sharded(tmp, mesh_b)
-    loaded_bf16 = sh.load_pretrained_sharded(tmp, mesh_b, jnp.bfloat16)
+    loaded = load_pretrained(tmp, mesh=mesh_b)
+    loaded_bf16 = load_pretrained(tmp, jnp.bfloat16, mesh=mesh_b)
     ref_bf16 = load_pretrained(tmp, jnp.bfloat16)
   ref_state, got_state = nnx.state(reference), nnx.state(loaded)
   expected_shardings = sh.state_shardings(mesh_b, ref_state)
@@ -294,6 +295,7 @@ def run_trainer() -> dict:
   fsdp 4 x tensor 2, against 5 straight steps on one device (no mesh); and a batch the mesh cannot split."""
   from hackable_diffusion.training import config as config_lib
   from hackable_diffusion.training import logging as log_lib
+  from hackable_diffusion.training import run as run_lib
   from hackable_diffusion.training import trainer as trainer_lib
 
   common = {
@@ -338,7 +340,7 @@ def run_trainer() -> dict:
       out["eval_model_max_diff"] = max_diff(nnx.state(gathered), nnx.state(t.model()))
     with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:  # the 5-step single-device state
       single_params = jax.device_get(t.state.params)
-    restored = trainer_lib.load_run(sharded)  # and the mesh run's, restored on one device
+    restored = run_lib.load_run(sharded)  # and the mesh run's, restored on one device
     out["final_param_max_diff"] = max_diff(nnx.state(restored.model, nnx.Param), single_params)
     out["single_losses"], out["sharded_losses"] = losses(single), losses(sharded)
     try:

@@ -1,0 +1,193 @@
+"""The denoising loop of one canvas: a single `lax.while_loop` over a small `flax.struct` state.
+
+    canvas <- seed canvas or uniform noise (pinned positions take their seed token)
+    for n = N .. 1, while some row is unfinished:
+      logits <- model.decode(canvas, cache, self-conditioning = previous step's processed logits; none at n = N)
+      logits <- allowed-token restriction, pins made certain;  processed <- logits / T(n)
+      sample a token per position (denoiser canvas), take the argmax canvas and the entropies (one pass)
+      accept <- rule(entropies, processed, n, N) | pinned;  re-noise the rest
+      per row: stop when stable and confident (if early stopping); finished rows are frozen
+
+This module builds the traced function (`make_denoise`); `sampling.programs` compiles and caches it and
+`sampling.generate` calls it once per canvas. PRNG use per canvas (fixed, so results are reproducible): one split
+for the starting canvas, then one three-way split per step (carry, sample, re-noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hackable_diffusion.sampling import entropy_bound as eb
+from hackable_diffusion.sampling.config import SamplingConfig
+from hackable_diffusion.sampling.rules import AcceptanceRule
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """Given to `generate(callback=...)` after every denoising step (host-side numpy values)."""
+
+  canvas_index: int  # which canvas (block) is being denoised
+  step: int  # the step just taken, counting down from N (first) to 1 (last)
+  argmax_canvas: np.ndarray  # [B, C] the argmax canvas after this step (the draft that would be committed)
+  done: np.ndarray  # [B] rows that stopped (or were finished before this canvas)
+
+
+@flax.struct.dataclass
+class DenoiseState:
+  """The `lax.while_loop` carry of one canvas."""
+
+  step: Array  # [] int32, steps remaining; the loop runs while step >= 1
+  key: Array  # PRNG key
+  canvas: Array  # [B, C] int32, the (partly noisy) canvas fed to the decoder
+  argmax: Array  # [B, C] int32, argmax canvas of the latest step
+  sc_logits: Array  # [B, C, V] float32, processed logits of the previous step (self-conditioning)
+  has_sc: Array  # [] bool, False before the first step (self-conditioning off)
+  done: Array  # [B] bool, frozen rows
+  steps: Array  # [B] int32, decoder forwards counted for unfinished rows
+  history: Array  # [S, B, C] int32, the previous S argmax canvases (stable-and-confident stopping)
+  trajectory: Array | None  # [N, B, C] int32 or None
+
+
+@flax.struct.dataclass
+class DenoiseScalars:
+  """Traced per-call numbers of the loop (changing them does not recompile)."""
+
+  num_steps: Array  # [] int32, N
+  t_min: Array  # [] float32
+  t_max: Array  # [] float32
+  confidence_threshold: Array  # [] float32
+  early_stopping: Array  # [] bool
+  canvas_index: Array  # [] int32, reported to the step callback
+
+  @classmethod
+  def of(cls, config: SamplingConfig, canvas_index: int) -> DenoiseScalars:
+    return cls(
+        num_steps=jnp.asarray(config.max_denoising_steps, jnp.int32),
+        t_min=jnp.asarray(config.t_min, jnp.float32),
+        t_max=jnp.asarray(config.t_max, jnp.float32),
+        confidence_threshold=jnp.asarray(config.confidence_threshold, jnp.float32),
+        early_stopping=jnp.asarray(config.early_stopping),
+        canvas_index=jnp.asarray(canvas_index, jnp.int32),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenoiseStatic:
+  """Everything that changes the traced program (part of the compile-cache key)."""
+
+  vocab_size: int
+  stability_threshold: int
+  has_pins: bool
+  has_allowed: bool
+  has_structure: bool
+  static_rule: AcceptanceRule | None  # a rule that is not a pytree (then the `rule` argument is None)
+  has_callback: bool
+  trajectory_steps: int | None  # N when the trajectory is recorded
+
+
+# on_step(call_id, canvas_index, step, argmax [B, C], done [B]): host side, through `jax.debug.callback`
+StepHook = Callable[[Any, Any, Any, Any, Any], None]
+
+
+def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Callable[[], None],
+                 on_step: StepHook | None) -> Callable[..., Any]:
+  """The traced denoising loop of one canvas (to be `jax.jit`ted).
+
+  Returns `denoise(state, cache, key, seed_canvas [B, C], use_seed [], pinned [B, C], allowed [B, V],
+  structure, frozen [B], scalars, rule, call_id []) -> (argmax canvas [B, C] int32, decoder forwards [B] int32,
+  trajectory [N, B, C] int32 or None)`. `rule` is the traced acceptance rule (None when `static.static_rule` is
+  set); `on_trace()` is called at every trace; `on_step` (with `static.has_callback`) after every step.
+  """
+
+  def denoise(state, cache, key, seed_canvas, use_seed, pinned, allowed, structure, frozen,
+              scalars: DenoiseScalars, rule: AcceptanceRule | None, call_id):
+    on_trace()
+    accept_rule = static.static_rule if static.static_rule is not None else rule
+    model = nnx.merge(graphdef, state)
+    batch, canvas_len = seed_canvas.shape
+    vocab = static.vocab_size
+    key, init_key = jax.random.split(key)
+    canvas = jnp.where(use_seed, seed_canvas, eb.initial_canvas(init_key, batch, canvas_len, vocab))
+    if static.has_pins:
+      canvas = eb.apply_pins(canvas, seed_canvas, pinned)
+    trajectory = None
+    if static.trajectory_steps is not None:
+      trajectory = jnp.zeros((static.trajectory_steps, batch, canvas_len), jnp.int32)
+    init = DenoiseState(
+        step=scalars.num_steps.astype(jnp.int32),
+        key=key,
+        canvas=canvas,
+        argmax=canvas,
+        sc_logits=jnp.zeros((batch, canvas_len, vocab), jnp.float32),
+        has_sc=jnp.zeros((), bool),
+        # rows finished in an earlier canvas are frozen from the start (their tokens become pad anyway)
+        done=frozen,
+        steps=jnp.zeros((batch,), jnp.int32),
+        history=eb.init_stability_history(static.stability_threshold, batch, canvas_len),
+        trajectory=trajectory,
+    )
+
+    def cond(s: DenoiseState):
+      return (s.step >= 1) & ~jnp.all(s.done)
+
+    def body(s: DenoiseState) -> DenoiseState:
+      steps = s.steps + (~s.done).astype(jnp.int32)
+      logits = model.decode(s.canvas, cache, s.sc_logits, jnp.broadcast_to(s.has_sc, (batch,)),
+                            structure if static.has_structure else None)
+      if static.has_allowed:
+        logits = eb.apply_allowed_tokens(logits, allowed)
+      if static.has_pins:
+        logits = eb.pin_logits(logits, seed_canvas, pinned)
+      temp = eb.temperature(s.step, scalars.num_steps, scalars.t_min, scalars.t_max)
+      processed = logits / temp  # transformers' "processed logits": sampled from and fed back as self-conditioning
+      key, sample_key, noise_key = jax.random.split(s.key, 3)
+      # = sample_tokens(processed), argmax_canvas(processed), entropy(processed), in one pass over the vocabulary
+      denoised, argmax, token_entropy = eb.sample_argmax_entropy(sample_key, logits, temp)
+      accept = accept_rule(token_entropy, processed, s.step, scalars.num_steps)
+      if static.has_pins:
+        accept = accept | pinned
+      canvas = eb.renoise(noise_key, denoised, accept, vocab)
+      if static.has_pins:
+        canvas = eb.apply_pins(canvas, seed_canvas, pinned)
+      # finished rows keep their canvas, argmax canvas and self-conditioning logits
+      argmax = jnp.where(s.done[:, None], s.argmax, argmax)
+      canvas = jnp.where(s.done[:, None], s.canvas, canvas)
+      processed = jnp.where(s.done[:, None, None], s.sc_logits, processed)
+      stop, history = eb.stable_and_confident(s.history, argmax, token_entropy, scalars.confidence_threshold)
+      done = s.done | (stop & scalars.early_stopping)
+      trajectory = s.trajectory
+      if trajectory is not None:
+        trajectory = jax.lax.dynamic_update_index_in_dim(trajectory, argmax, scalars.num_steps - s.step, axis=0)
+      if static.has_callback and on_step is not None:
+        jax.debug.callback(on_step, call_id, scalars.canvas_index, s.step, argmax, done)
+      return DenoiseState(step=s.step - 1, key=key, canvas=canvas, argmax=argmax, sc_logits=processed,
+                          has_sc=jnp.ones((), bool), done=done, steps=steps, history=history,
+                          trajectory=trajectory)
+
+    final = jax.lax.while_loop(cond, body, init)
+    trajectory = final.trajectory
+    if trajectory is not None:  # steps after the loop ended repeat the final argmax canvas
+      taken = scalars.num_steps - final.step
+      idx = jnp.arange(trajectory.shape[0])[:, None, None]
+      trajectory = jnp.where(idx < taken, trajectory, final.argmax[None])
+    return final.argmax, final.steps, trajectory
+
+  return denoise
+
+
+def step_info(canvas_index: Any, step: Any, argmax: Any, done: Any) -> StepInfo:
+  """The host-side `StepInfo` of one step (from the values `jax.debug.callback` hands over)."""
+  return StepInfo(int(canvas_index), int(step), np.asarray(argmax), np.asarray(done))
+
+
+__all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepInfo", "make_denoise", "step_info"]

@@ -1,0 +1,277 @@
+"""`prepare`: every input of a `generate` call validated and normalised into one frozen `Prepared` object.
+
+Checks (one-line `ValueError`s naming the argument and the bad value or shape): the config type, the PRNG key,
+token ids inside the vocabulary, 2-D integer ids, mask shapes and values, seed canvases of whole canvases no longer
+than the generation, pins only with a seed canvas and of its shape, a non-empty allowed set (ids or a `[V]` /
+`[B, V]` mask), the task structure's shape, a callable callback, a valid acceptance rule (`ConfigError`), and a
+mesh that can split the batch. Nothing is placed on a device here; `generate` does that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from hackable_diffusion import sharding as sharding_lib
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.sampling import rules
+from hackable_diffusion.sampling.config import SamplingConfig
+from hackable_diffusion.sampling.denoise import DenoiseStatic, StepInfo
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Prepared:
+  """The validated inputs of one `generate` call (host numpy arrays unless noted).
+
+  config: the `SamplingConfig`, resolved against the model (eos / pad / canvas length filled in).
+  input_ids: `[B, P]` int32. attention_mask: `[B, P]` bool, False on prompt padding.
+  seed_canvas: `[B, k * C]` int32 or None. pinned: `[B, k * C]` bool or None (only with a seed canvas).
+  allowed: `[B, V]` bool or None. structure: `[B|1, N|1, C, C]` bool jax array or None.
+  rule: the acceptance rule; rule_arg: the rule with its leaves as traced-ready arrays (None for a static rule).
+  static: the options that select the compiled denoising program.
+  """
+
+  config: SamplingConfig
+  vocab_size: int
+  rng: Array
+  input_ids: np.ndarray
+  attention_mask: np.ndarray
+  seed_canvas: np.ndarray | None
+  pinned: np.ndarray | None
+  allowed: np.ndarray | None
+  structure: Array | None
+  rule: rules.AcceptanceRule
+  rule_arg: Any
+  callback: Callable[[StepInfo], Any] | None
+  return_trajectory: bool
+  mesh: Mesh | None
+  static: DenoiseStatic
+
+  # ---- derived ----------------------------------------------------------------------------------------------------
+  @property
+  def batch(self) -> int:
+    return self.input_ids.shape[0]
+
+  @property
+  def prompt_length(self) -> int:
+    return self.input_ids.shape[1]
+
+  @property
+  def canvas_length(self) -> int:
+    return self.config.canvas_length
+
+  @property
+  def num_canvases(self) -> int:
+    return self.config.num_canvases()
+
+  @property
+  def eos_ids(self) -> np.ndarray:
+    """`[E]` int64, the EOS ids (empty when there is none)."""
+    return np.asarray(self.config.eos_token_ids, np.int64)
+
+  @property
+  def pad_token_id(self) -> int | None:
+    return self.config.pad_token_id
+
+  @property
+  def bucket_length(self) -> int:
+    return self.config.bucket_prompt_length(self.prompt_length)
+
+  @property
+  def cache_capacity(self) -> int:
+    """KV-cache slots: the bucketed prompt and every canvas but the last (which is never encoded)."""
+    return self.bucket_length + (self.num_canvases - 1) * self.canvas_length
+
+  def padded_prompt(self) -> tuple[np.ndarray, np.ndarray]:
+    """(ids `[B, bucket]` int32, mask `[B, bucket]` bool): the prompt padded *after* its tokens to its bucket.
+
+    The encoder writes the padding slots as padding and the cache length is rewound to the prompt length, so the
+    next canvas overwrites them and positions are exactly those of the unpadded prompt.
+    """
+    ids = np.zeros((self.batch, self.bucket_length), np.int32)
+    ids[:, :self.prompt_length] = self.input_ids
+    mask = np.zeros((self.batch, self.bucket_length), bool)
+    mask[:, :self.prompt_length] = self.attention_mask
+    return ids, mask
+
+  def canvas_seed(self, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(seed `[B, C]` int32, pins `[B, C]` bool, whether canvas `k` starts from the seed)."""
+    c = self.canvas_length
+    has_seed = self.seed_canvas is not None and (k + 1) * c <= self.seed_canvas.shape[1]
+    if not has_seed:
+      return np.zeros((self.batch, c), np.int32), np.zeros((self.batch, c), bool), False
+    sl = slice(k * c, (k + 1) * c)
+    pins = self.pinned[:, sl] if self.pinned is not None else np.zeros((self.batch, c), bool)
+    return self.seed_canvas[:, sl], pins, True
+
+
+# ---- checks -------------------------------------------------------------------------------------------------------
+def _int_array(name: str, value: Any, ndim: int) -> np.ndarray:
+  arr = np.asarray(value)
+  if arr.ndim != ndim or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+    raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+  return arr.astype(np.int64)
+
+
+def _check_ids(name: str, arr: np.ndarray, vocab: int) -> None:
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+    bad = arr.min() if arr.min() < 0 else arr.max()
+    raise ValueError(f"{name} holds token id {int(bad)} outside the vocabulary [0, {vocab})")
+
+
+def _bool_array(name: str, value: Any, shape: tuple[int, ...], like: str) -> np.ndarray:
+  arr = np.asarray(value)
+  if arr.shape != shape:
+    raise ValueError(f"{name} has shape {arr.shape}, expected {shape} (the shape of {like})")
+  if not (arr.dtype == bool or np.isin(arr, (0, 1)).all()):
+    raise ValueError(f"{name} must be bool or hold only 0 and 1")
+  return arr.astype(bool)
+
+
+def _allowed_mask(allowed: Any, batch: int, vocab: int) -> np.ndarray:
+  arr = np.asarray(allowed)
+  if arr.size == 0:
+    raise ValueError("allowed_token_ids is empty: at least one token must be allowed")
+  if arr.dtype == bool:
+    if arr.shape not in ((vocab,), (batch, vocab)):
+      raise ValueError(f"allowed_token_ids as a mask must have shape ({vocab},) or ({batch}, {vocab}), got {arr.shape}")
+    mask = np.broadcast_to(arr, (batch, vocab))
+    empty = np.flatnonzero(~mask.any(-1))
+    if empty.size:
+      raise ValueError(f"allowed_token_ids mask allows no token for row {int(empty[0])}")
+    return np.ascontiguousarray(mask)
+  if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"allowed_token_ids must be a sequence of ids or a bool mask, got shape {arr.shape} "
+                     f"dtype {arr.dtype}")
+  _check_ids("allowed_token_ids", arr, vocab)
+  mask = np.zeros((batch, vocab), bool)
+  mask[:, arr] = True
+  return mask
+
+
+def _check_key(rng: Any) -> None:
+  ok = isinstance(rng, jax.Array) and (
+      jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) or (rng.dtype == jnp.uint32 and rng.shape == (2,)))
+  if not ok or getattr(rng, "ndim", 0) != (0 if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else 1):
+    raise ValueError(f"rng must be a single jax.random key (e.g. jax.random.key(0)), got {type(rng).__name__} "
+                     f"with shape {getattr(rng, 'shape', None)}")
+
+
+def _check_mesh(mesh: Any, batch: int) -> None:
+  if mesh is None:
+    return
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh (see sharding.make_mesh), got {type(mesh).__name__}")
+  shards = sharding_lib.num_batch_shards(mesh)
+  if batch % shards:
+    raise ValueError(f"generate: batch of {batch} rows is not divisible by the {shards} batch shards of mesh "
+                     f"{dict(mesh.shape)} (data x fsdp x expert); pad the batch to a multiple of {shards}")
+
+
+def _traced_leaf(value: Any) -> Array:
+  """A rule field as a strongly typed array (float32 / int32 / bool), so that a Python `0.1` and a numpy `0.5`
+  compile the same program (weak types and 64-bit numpy scalars would otherwise change the compile key)."""
+  arr = value if isinstance(value, jax.Array) else np.asarray(value)
+  kind = arr.dtype.kind
+  if kind == "b":
+    return jnp.asarray(arr, bool)
+  if kind in "iu":
+    return jnp.asarray(arr, jnp.int32)
+  if kind == "f":
+    return jnp.asarray(arr, jnp.float32)
+  raise ConfigError(f"acceptance: rule field {value!r} is not a number or an array of numbers (mark non-numeric "
+                    f"fields flax.struct.field(pytree_node=False))")
+
+
+def _rule(config: SamplingConfig, acceptance: Any) -> tuple[rules.AcceptanceRule, Any]:
+  """(the rule, its traced argument or None when it is static)."""
+  rule = config.acceptance_rule() if acceptance is None else acceptance
+  rules.check_rule(rule)
+  if rules.is_static(rule):
+    return rule, None
+  return rule, jax.tree.map(_traced_leaf, rule)
+
+
+# ---- prepare ------------------------------------------------------------------------------------------------------
+def prepare(
+    model: Any,
+    input_ids: Any,
+    config: SamplingConfig | None = None,
+    *,
+    rng: Array,
+    attention_mask: Any = None,
+    seed_canvas: Any = None,
+    pinned: Any = None,
+    allowed_token_ids: Sequence[int] | Any = None,
+    canvas_attention_mask: Any = None,
+    acceptance: rules.AcceptanceRule | None = None,
+    callback: Callable[[StepInfo], Any] | None = None,
+    return_trajectory: bool = False,
+    mesh: Mesh | None = None,
+) -> Prepared:
+  """Validates and normalises the arguments of `generate` (same meanings; see there) into a `Prepared`."""
+  if config is not None and not isinstance(config, SamplingConfig):
+    raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
+  _check_key(rng)
+  config = (config or SamplingConfig()).resolve(model.config)
+  vocab = int(model.config.vocab_size)
+  ids = _int_array("input_ids", input_ids, 2)
+  batch, prompt_len = ids.shape
+  if batch == 0 or prompt_len == 0:
+    raise ValueError(f"input_ids must have at least one row and one token, got shape {ids.shape}")
+  _check_ids("input_ids", ids, vocab)
+  mask = np.ones(ids.shape, bool)
+  if attention_mask is not None:
+    mask = _bool_array("attention_mask", attention_mask, ids.shape, "input_ids")
+  canvas_len = config.canvas_length
+  num_canvases = config.num_canvases()
+  seeds = None
+  if seed_canvas is not None:
+    seeds = _int_array("seed_canvas", seed_canvas, 2)
+    if seeds.shape[0] != batch or seeds.shape[1] == 0 or seeds.shape[1] % canvas_len \
+        or seeds.shape[1] > num_canvases * canvas_len:
+      raise ValueError(f"seed_canvas has shape {seeds.shape}; expected ({batch}, k * {canvas_len}) with "
+                       f"1 <= k <= {num_canvases} canvases")
+    _check_ids("seed_canvas", seeds, vocab)
+  pins = None
+  if pinned is not None:
+    if seeds is None:
+      raise ValueError("pinned was given without seed_canvas: pinned positions keep their seed_canvas token")
+    pins = _bool_array("pinned", pinned, seeds.shape, "seed_canvas")
+  allowed = None if allowed_token_ids is None else _allowed_mask(allowed_token_ids, batch, vocab)
+  structure = None
+  if canvas_attention_mask is not None:
+    structure = jnp.asarray(canvas_attention_mask, bool)
+    if structure.ndim != 4 or structure.shape[-2:] != (canvas_len, canvas_len):
+      raise ValueError(f"canvas_attention_mask has shape {structure.shape}, expected [B|1, N|1, {canvas_len}, "
+                       f"{canvas_len}]")
+  if callback is not None and not callable(callback):
+    raise ValueError(f"callback must be callable, got {type(callback).__name__}")
+  rule, rule_arg = _rule(config, acceptance)
+  _check_mesh(mesh, batch)
+  static = DenoiseStatic(
+      vocab_size=vocab,
+      stability_threshold=config.stability_threshold,
+      has_pins=pins is not None,
+      has_allowed=allowed is not None,
+      has_structure=structure is not None,
+      static_rule=rule if rule_arg is None else None,
+      has_callback=callback is not None,
+      trajectory_steps=config.max_denoising_steps if return_trajectory else None,
+  )
+  return Prepared(
+      config=config, vocab_size=vocab, rng=rng, input_ids=ids.astype(np.int32), attention_mask=mask,
+      seed_canvas=None if seeds is None else seeds.astype(np.int32), pinned=pins, allowed=allowed,
+      structure=structure, rule=rule, rule_arg=rule_arg, callback=callback, return_trajectory=bool(return_trajectory),
+      mesh=mesh, static=static)
+
+
+__all__ = ["Prepared", "prepare"]

@@ -1,0 +1,145 @@
+"""Device meshes: their shape (`MeshConfig`, also the `mesh` section of experiment configs) and multi-host setup.
+
+Typical use (one process per host; on one host just skip `maybe_initialize_distributed`):
+
+  cfg = MeshConfig(data=-1, fsdp=8)           # -1: whatever devices are left
+  maybe_initialize_distributed(cfg)            # multi-host: before any other JAX call
+  mesh = make_mesh(cfg)                        # axes ("data", "fsdp", "tensor", "expert")
+
+Bad values raise `hackable_diffusion.errors.ConfigError` (a `ValueError`) with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from absl import logging
+from jax.sharding import AxisType, Mesh
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.sharding.logical import MESH_AXES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """Shape of the device mesh and (optionally) how to join a multi-host job.
+
+  Axis sizes: positive integers, or -1 on one axis for "all remaining devices". Their product must equal the
+  number of devices (`jax.device_count()`, all hosts together).
+
+  Multi-host (`maybe_initialize_distributed`): `coordinator_address` ("host:port" of process 0),
+  `num_processes` and `process_id`, each falling back to the env vars `JAX_COORDINATOR_ADDRESS`,
+  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; or `auto_distributed=True` to let JAX detect the cluster (Cloud TPU
+  pods, SLURM, Open MPI).
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  expert: int = 1
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  auto_distributed: bool = False
+
+  def __post_init__(self):
+    for name in MESH_AXES:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+        raise ConfigError(f"mesh.{name}={value!r}; expected a positive integer or -1 (all remaining devices)")
+    rest = [name for name in MESH_AXES if getattr(self, name) == -1]
+    if len(rest) > 1:
+      raise ConfigError(f"mesh axes {rest} are all -1; at most one axis may take the remaining devices")
+    if self.num_processes is not None and self.num_processes < 1:
+      raise ConfigError(f"mesh.num_processes={self.num_processes!r}; expected >= 1")
+    if self.process_id is not None and self.process_id < 0:
+      raise ConfigError(f"mesh.process_id={self.process_id!r}; expected >= 0")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> MeshConfig:
+    """From a plain mapping (e.g. `config.mesh` of an ml_collections config); unknown keys are an error."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ConfigError(f"unknown mesh config keys {unknown}; valid keys: {sorted(fields)}")
+    return cls(**dict(values))
+
+  def shape(self, num_devices: int | None = None) -> dict[str, int]:
+    """Axis sizes `{data, fsdp, tensor, expert}` for `num_devices` (default: `jax.device_count()`)."""
+    n = jax.device_count() if num_devices is None else int(num_devices)
+    sizes = {name: getattr(self, name) for name in MESH_AXES}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    for name, value in sizes.items():
+      if value == -1:
+        if n % fixed:
+          raise ConfigError(f"mesh {desc}: the fixed axes use {fixed} devices, which does not divide the {n} "
+                            f"available devices (jax.device_count()={n})")
+        sizes[name] = n // fixed
+    if math.prod(sizes.values()) != n:
+      raise ConfigError(f"mesh {desc} needs {math.prod(sizes.values())} devices but {n} are available "
+                        f"(jax.device_count()={n}); set one axis to -1 to use all remaining devices")
+    return sizes
+
+
+def make_mesh(cfg: MeshConfig | None = None, *, devices: Sequence[Any] | None = None) -> Mesh:
+  """A `Mesh` with axes `("data", "fsdp", "tensor", "expert")` over `devices` (default: all, every host).
+
+  Axes are `AxisType.Auto` (XLA's sharding propagation; shardings are given at `jit` boundaries and by
+  `with_sharding_constraint`). `jax.make_mesh` orders devices for the physical topology (TPU torus, NVLink):
+  the last axes vary fastest, so keep the chattiest axis (`tensor`, then `expert`, then `fsdp`) within a host.
+  """
+  cfg = cfg or MeshConfig()
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = cfg.shape(len(devices))
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def maybe_initialize_distributed(cfg: MeshConfig | None = None) -> bool:
+  """Joins a multi-process JAX job when one is configured; returns True when running distributed.
+
+  Must run before any other JAX call in the process (JAX's rule). Configured means: `cfg.auto_distributed`
+  (JAX detects TPU pods / SLURM / Open MPI), or a coordinator address in `cfg` or `$JAX_COORDINATOR_ADDRESS`
+  (then `num_processes` / `process_id` come from `cfg` or `$JAX_NUM_PROCESSES` / `$JAX_PROCESS_ID`).
+  Otherwise nothing happens (single process). Calling it again is a no-op.
+  """
+  if jax.distributed.is_initialized():
+    return True
+  cfg = cfg or MeshConfig()
+  address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+  num = cfg.num_processes if cfg.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+  pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+  if not cfg.auto_distributed and address is None:
+    if num not in (None, 1):
+      raise ConfigError(f"mesh.num_processes={num} but no coordinator address: set mesh.coordinator_address "
+                        "(or $JAX_COORDINATOR_ADDRESS), or mesh.auto_distributed=True on a TPU pod / SLURM / MPI")
+    return False
+  if not cfg.auto_distributed and (num is None or pid is None):
+    missing = "num_processes" if num is None else "process_id"
+    raise ConfigError(f"mesh.coordinator_address={address!r} is set but mesh.{missing} is not (nor "
+                      f"$JAX_{missing.upper()}); every process needs both")
+  if num is not None and pid is not None and not 0 <= pid < num:
+    raise ConfigError(f"mesh.process_id={pid} is outside [0, num_processes={num})")
+  jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+  logging.info("joined distributed JAX job: process %d of %d, %d local / %d global devices", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+  return True
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ConfigError(f"${name}={value!r}; expected an integer") from None
+
+
+__all__ = ["MESH_AXES", "MeshConfig", "make_mesh", "maybe_initialize_distributed"]

@@ -1,0 +1,330 @@
+"""A run: its workdir layout, and building its model, tokenizer, data, mesh and evaluation from a config.
+
+Used by every CLI (`train`, `evaluate`, `sample`, `export`) and by the `SFTTrainer`; sampling and export go through
+here, not through the trainer. A run's workdir holds:
+
+  workdir/config.json        the resolved config          workdir/tokenizer.model   the tokenizer used
+  workdir/checkpoints/<N>/   orbax (see checkpointing.py)  workdir/metrics.jsonl     one JSON object per log step
+  workdir/tensorboard/       TensorBoard events            workdir/eval/             reports and plots
+  workdir/data/              data written by a built-in generator (data.generator)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from hackable_diffusion import lora as lora_lib
+from hackable_diffusion import sharding
+from hackable_diffusion.data.sft import SFTDataConfig, read_records
+from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, train_tokenizer
+from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
+from hackable_diffusion.evaluation import loop as eval_loop
+from hackable_diffusion.interop.hf import load_config as load_hf_config
+from hackable_diffusion.interop.hf import load_pretrained
+from hackable_diffusion.model.config import ModelConfig, get_preset
+from hackable_diffusion.model.transformer import DiffusionGemma, init_model
+from hackable_diffusion.tasks.base import Task, get_task
+from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
+from hackable_diffusion.training.config import ExperimentConfig
+from hackable_diffusion.training.logging import is_main_process
+
+DATA_DIR = "data"
+EVAL_DIR = "eval"
+
+AnyConfig = ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any]
+
+
+# ---- config and workdir -------------------------------------------------------------------------------------------
+def as_experiment_config(config: AnyConfig) -> ExperimentConfig:
+  return config if isinstance(config, ExperimentConfig) else ExperimentConfig.from_config_dict(config)
+
+
+def is_run_workdir(path: str) -> bool:
+  """A directory written by `hackable_diffusion.train` (as opposed to a Hugging Face checkpoint)."""
+  return os.path.isdir(os.path.join(path, CHECKPOINT_DIR)) and os.path.isfile(
+      os.path.join(path, config_lib.CONFIG_FILENAME)) and not os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def data_paths(cfg: ExperimentConfig, workdir: str) -> dict[str, str]:
+  """`{'train': path, 'validation': path or '', ...}`; a built-in generator writes its files (every split it
+  makes, e.g. also 'test') into workdir/data."""
+  if cfg.data.generator:
+    task = get_task(cfg.data.generator, cfg.data.generator_args)
+    paths = dict(task.make_data(os.path.join(workdir, DATA_DIR)))
+    paths.setdefault("validation", "")
+    return paths
+  return {"train": cfg.data.train_path, "validation": cfg.data.validation_path}
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------------------------
+def _training_texts(cfg: ExperimentConfig, path: str) -> list[str]:
+  """Prompt (chat template applied) and completion texts of a JSONL file, for training a tokenizer."""
+  d = cfg.data
+  records = read_records(path, prompt_field=d.prompt_field, completion_field=d.completion_field,
+                         pinned_field=d.pinned_field or None, on_malformed=d.on_malformed)
+  if not records:
+    raise DataError(f"{path}: no records to train a tokenizer on")
+  texts = []
+  for r in records:
+    texts += [d.chat_template.format(prompt=r.prompt) if d.chat_template else r.prompt, r.completion]
+  return texts
+
+
+def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tokenizer:
+  """The run's tokenizer: `workdir/tokenizer.model` if present, else trained on the data or loaded from
+  `tokenizer.path`, then saved into the workdir (evaluation, sampling and export reuse it)."""
+  saved = os.path.join(workdir, TOKENIZER_FILENAME)
+  try:
+    if os.path.isfile(saved):
+      return Tokenizer.load(saved)
+    if cfg.tokenizer.path == "train":
+      tok = train_tokenizer(_training_texts(cfg, train_path), model_type=cfg.tokenizer.model_type,
+                            vocab_size=cfg.tokenizer.vocab_size or None)
+    else:
+      tok = Tokenizer.load(cfg.tokenizer.path)
+  except (FileNotFoundError, ValueError) as e:
+    if isinstance(e, (DataError, ConfigError)):
+      raise
+    raise ConfigError(f"tokenizer: {e}") from None
+  if is_main_process():
+    tok.save(workdir)
+  return tok
+
+
+def load_run_tokenizer(workdir: str) -> Tokenizer:
+  path = os.path.join(workdir, TOKENIZER_FILENAME)
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{path}: no tokenizer in this workdir (was it written by hackable_diffusion.train?)")
+  try:
+    return Tokenizer.load(path)
+  except ValueError as e:
+    raise CheckpointError(f"{path}: {e}") from None
+
+
+# ---- model --------------------------------------------------------------------------------------------------------
+def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
+  """ModelConfig of the run: the preset (or the checkpoint's config.json) with `model.overrides`.
+
+  For a fresh init, `vocab_size` and the pad/eos/bos ids default to the tokenizer's. The tokenizer must fit
+  in the model's vocabulary.
+  """
+  overrides = dict(cfg.model.overrides)
+  if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
+    base_cfg = config_lib.config_from_json(os.path.join(cfg.model.checkpoint, config_lib.CONFIG_FILENAME))
+    base = build_model_config(as_experiment_config(base_cfg), tokenizer)
+    return base.replace(**overrides) if overrides else base
+  if cfg.model.checkpoint:
+    overrides.setdefault("param_dtype", cfg.model.dtype)
+    overrides.setdefault("dtype", cfg.model.dtype)
+    model_config = load_hf_config(cfg.model.checkpoint, **overrides)
+  else:
+    overrides.setdefault("vocab_size", tokenizer.vocab_size)
+    for name, tid in (("pad_token_id", tokenizer.pad_id), ("eos_token_id", tokenizer.eos_id),
+                      ("bos_token_id", tokenizer.bos_id)):
+      if tid >= 0:
+        overrides.setdefault(name, tid)
+    try:
+      model_config = get_preset(cfg.model.preset, **overrides)
+    except (TypeError, ValueError) as e:
+      if isinstance(e, ConfigError):
+        raise
+      raise ConfigError(f"model.overrides: {e}") from None
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is "
+                      f"{model_config.vocab_size}")
+  return model_config
+
+
+def apply_lora(cfg: ExperimentConfig, model: nnx.Module) -> tuple[nnx.Module, Any]:
+  """`(model with adapters, nnx.LoRAParam)` when the run has a `lora` config, else `(model, nnx.Param)`: the
+  trainable filter of the run (training only adapters is an optimizer filter, not special code)."""
+  if cfg.lora is None:
+    return model, nnx.Param
+  return lora_lib.apply_lora(model, cfg.lora, rngs=nnx.Rngs(cfg.lora_seed)), nnx.LoRAParam
+
+
+def build_abstract_model(cfg: ExperimentConfig, model_config: ModelConfig) -> tuple[nnx.Module, Any]:
+  """`(model as shapes only, trainable filter)`: what the train state, its shardings and a restore are built from."""
+  trainable = []
+
+  def make():
+    wrapped, filt = apply_lora(cfg, DiffusionGemma(model_config, rngs=nnx.Rngs(cfg.train.seed)))
+    trainable.append(filt)
+    return wrapped
+
+  return nnx.eval_shape(make), trainable[0]
+
+
+def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, mesh: Mesh | None = None) -> nnx.Module:
+  """The network's base weights (no adapters): a fresh init, a Hugging Face checkpoint (read straight into its
+  shards with `mesh`), or a previous run's latest checkpoint (its adapters merged)."""
+  if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
+    model = load_run(cfg.model.checkpoint).model  # a previous run's latest checkpoint as the base
+    return lora_lib.merge(model) if lora_lib.has_lora(model) else model
+  if cfg.model.checkpoint:
+    overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
+    return load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, mesh=mesh, **overrides)
+  return init_model(model_config, seed=cfg.train.seed)
+
+
+def model_factory(cfg: ExperimentConfig, model_config: ModelConfig) -> Callable[[], nnx.Module]:
+  """A function building the freshly initialised network (adapters included) to trace inside one sharded program."""
+  return lambda: apply_lora(cfg, DiffusionGemma(model_config, rngs=nnx.Rngs(cfg.train.seed)))[0]
+
+
+# ---- devices and data ---------------------------------------------------------------------------------------------
+def make_run_mesh(cfg: ExperimentConfig) -> Mesh | None:
+  """The run's device mesh, or None for the plain one-device path (the `mesh` section all 1, single process).
+
+  Joins a multi-host job first when one is configured (`mesh.coordinator_address` / `$JAX_COORDINATOR_ADDRESS`
+  or `mesh.auto_distributed`), so call it before any other JAX call of the process.
+  """
+  try:
+    distributed = sharding.maybe_initialize_distributed(cfg.mesh)
+    if not (config_lib.mesh_requested(cfg.mesh) or distributed):
+      return None
+    return sharding.make_mesh(cfg.mesh)
+  except ValueError as e:
+    raise ConfigError(" ".join(str(e).split())) from None
+
+
+def data_shard(cfg: ExperimentConfig, mesh: Mesh | None) -> tuple[int, int, int]:
+  """`(shard_index, shard_count, batch_size)` of this process's data loader.
+
+  Without a mesh: every process reads shard `jax.process_index()` of `jax.process_count()` with
+  `train.batch_size`. With one: `train.batch_size` is the global batch, split over the mesh's batch axes
+  (data x fsdp x expert, which it must divide), and the process reads the block of rows its devices hold.
+  """
+  if mesh is None:
+    return jax.process_index(), jax.process_count(), cfg.train.batch_size
+  batch = cfg.train.batch_size
+  shards = sharding.num_batch_shards(mesh)
+  if batch % shards:
+    raise ConfigError(f"train.batch_size={batch} is not divisible by the {shards} batch shards of the mesh "
+                      f"(data x fsdp x expert of {dict(mesh.shape)}); use a multiple of {shards}")
+  index, count = sharding.process_batch_shard(mesh)
+  return index, count, batch // count
+
+
+def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str, *, batch_size: int,
+                    shuffle: bool, seed: int) -> SFTDataConfig:
+  d = cfg.data
+  try:
+    return SFTDataConfig(
+        path=path, prompt_field=d.prompt_field, completion_field=d.completion_field,
+        chat_template=d.chat_template or None, max_prompt_length=d.max_prompt_length,
+        canvas_length=model_config.canvas_length, max_canvases=d.max_canvases, append_eos=d.append_eos,
+        add_bos=d.add_bos, on_overlength=d.on_overlength, on_malformed=d.on_malformed, batch_size=batch_size,
+        shuffle=shuffle, seed=seed, num_epochs=None, drop_remainder=True, prefetch_batches=d.prefetch_batches,
+        pinned_field=d.pinned_field or None)
+  except ValueError as e:
+    raise ConfigError(f"data: {e}") from None
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------------
+def eval_task(cfg: ExperimentConfig, overrides: Mapping[str, Any] | None = None) -> Task:
+  """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task); `overrides`
+  replace some of its arguments (an ablation)."""
+  if cfg.eval.task:
+    name, args = cfg.eval.task, cfg.eval.task_args
+  elif cfg.data.generator:
+    name, args = cfg.data.generator, cfg.data.generator_args
+  else:
+    name, args = "text", cfg.eval.task_args
+  return get_task(name, {**dict(args), **dict(overrides or {})})
+
+
+def check_eval_tasks(cfg: ExperimentConfig) -> None:
+  """Builds the evaluation task and every ablation's task once, so that a bad task argument fails when the run
+  starts (a one-line ConfigError naming the ablation), not after training."""
+  if not (cfg.train.eval_at_end or cfg.train.eval_every):
+    return
+  eval_task(cfg)
+  for name, overrides in cfg.eval.ablations.items():
+    try:
+      eval_task(cfg, overrides)
+    except ConfigError as e:
+      raise ConfigError(f"eval.ablations.{name}: {e}") from None
+
+
+def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: Tokenizer,
+                   paths: Mapping[str, str], num_examples: int | None = None) -> eval_loop.EvalData:
+  split = cfg.eval.split
+  path = paths.get(split) or ""
+  if not path and split == "test":
+    raise ConfigError("eval.split='test' needs a data generator that writes a test split "
+                      "(e.g. data.generator='sudoku')")
+  if not path:
+    logging.warning("no %s data configured; evaluating on the training data", split)
+    path = paths["train"]
+  data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
+  return eval_loop.load_eval_data(path, data_cfg, tokenizer, num_examples or cfg.eval.num_examples)
+
+
+def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data: eval_loop.EvalData, *,
+                   step: int, out_dir: str | None, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+  """Runs the configured evaluation (every step budget + early stopping) and writes the report/plot."""
+  max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
+  runs = eval_loop.eval_runs(cfg.eval, max_new)
+  runs += eval_loop.ablation_runs(cfg.eval, max_new, lambda overrides: eval_task(cfg, overrides))
+  return eval_loop.run_evaluation(model, tokenizer, data, eval_task(cfg), runs, batch_size=cfg.eval.batch_size,
+                                  seed=cfg.eval.seed, step=step, out_dir=out_dir, num_samples=cfg.eval.num_samples,
+                                  log=log)
+
+
+# ---- a trained run ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+  """A trained model restored from a workdir (for evaluation, sampling and export)."""
+
+  config: ExperimentConfig
+  model: nnx.Module
+  tokenizer: Tokenizer
+  step: int
+  paths: dict[str, str]
+
+
+def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = None) -> LoadedRun:
+  """Restores the model of checkpoint `step` (default: latest) of `workdir`, without optimizer state."""
+  if not os.path.isdir(workdir):
+    raise CheckpointError(f"{workdir}: no such workdir")
+  if config is None:
+    config = config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME))
+  cfg = as_experiment_config(config)
+  tokenizer = load_run_tokenizer(workdir)
+  model_config = build_model_config(cfg, tokenizer)
+  ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True)
+  try:
+    meta = ckpt.restore_meta(step)
+    step = int(meta["step"])
+    has_rest = meta.get("has_rest", True)
+    abstract, trainable = build_abstract_model(cfg, model_config)
+    graphdef, params, rest = nnx.split(abstract, trainable, ...)
+    if not has_rest:  # LoRA on a pretrained base: the frozen weights come from the base checkpoint, not ours
+      _, rest = nnx.split(apply_lora(cfg, build_model(cfg, model_config))[0], trainable, ...)[1:]
+    params, restored_rest, _ = ckpt.restore_variables(params, rest if has_rest else None, step)
+  finally:
+    ckpt.close()
+  model = nnx.merge(graphdef, params, restored_rest if has_rest else rest)
+  paths = {"train": "", "validation": ""}
+  try:
+    paths = data_paths(cfg, workdir)
+  except (ConfigError, DataError) as e:
+    logging.warning("data of this run is not available: %s", e)
+  return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths)
+
+
+__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "build_abstract_model",
+           "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
+           "eval_task", "evaluate_model", "is_run_workdir", "load_eval_data", "load_run", "load_run_tokenizer",
+           "make_run_mesh", "model_factory", "sft_data_config"]

@@ -1,0 +1,73 @@
+"""A researcher's own components, defined outside the library and selected in configs by 'module:attribute' spec.
+
+tests/conftest.py puts this directory on `sys.path`, so the specs below import in any pytest import mode:
+- task: 'custom_components:OneDigitTask' (through `hackable_diffusion.tasks.base.get_task`);
+- attention structure: 'custom_components:self_only' (and broken ones) for `ModelConfig.attention_structure`;
+- loss term: 'custom_components:DoubledFlat' for `LossConfig(variant=...)` / `diffusion.loss_variant`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from hackable_diffusion.diffusion import loss
+from hackable_diffusion.tasks.base import BaseTask, check_lengths
+
+
+# ---- a task ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneDigitTask(BaseTask):
+  """Samples only `digit` (no EOS), so every prediction is `digit` repeated over the whole completion."""
+
+  digit: str = "7"
+  name: str = "one_digit"
+  primary_metric: str = "all_digit"
+
+  def metrics(self, predictions, records):
+    check_lengths(predictions, records)
+    return {"all_digit": float(np.mean([bool(p) and set(p) == {self.digit} for p in predictions])),
+            "mean_length": float(np.mean([len(p) for p in predictions])),
+            "mean_prompt_length": float(np.mean([len(r.prompt) for r in records]))}
+
+  def allowed_token_ids(self, tokenizer):
+    return tokenizer.token_ids_for(self.digit)
+
+
+def not_a_task():
+  """A factory whose result lacks the `Task` hooks."""
+  return object()
+
+
+# ---- attention structures ----------------------------------------------------------------------------------------
+def self_only(config) -> np.ndarray:
+  """[1, C, C]: each canvas position attends only to itself (and the prompt)."""
+  return np.eye(config.canvas_length, dtype=bool)[None]
+
+
+def empty_row(config) -> np.ndarray:
+  """[1, C, C] with position 0 attending to nothing: rejected."""
+  mask = np.ones((1, config.canvas_length, config.canvas_length), bool)
+  mask[0, 0] = False
+  return mask
+
+
+def wrong_shape(config) -> np.ndarray:
+  """[C, C] (no head axis): rejected."""
+  return np.ones((config.canvas_length, config.canvas_length), bool)
+
+
+NOT_CALLABLE = "a string, not a function"
+
+
+# ---- a loss term -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DoubledFlat:
+  """Twice the 'flat' term (a stand-in for a researcher's own weighting)."""
+
+  scale: float = 2.0
+
+  def __call__(self, logits: jax.Array, noise: loss.NoisedCanvas, schedule) -> jax.Array:
+    return self.scale * loss.FlatCrossEntropy()(logits, noise, schedule)

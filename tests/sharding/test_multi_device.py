@@ -1,0 +1,203 @@
+"""Multi-device sharding, in subprocesses with 8 fake CPU devices: sharded training (`make_train_step(mesh=)`) ==
+one device, compile-once, per-device bytes, sharded generate (`generate(mesh=)`), cross-mesh checkpoint restore,
+a train state initialised in its shards, HF checkpoints loaded straight into shards (`load_pretrained(mesh=)`),
+and `SFTTrainer` with a `mesh` config section (== one device, resumed on another mesh).
+
+The checks run in `tests/sharding/multi_device_worker.py` because JAX fixes its device count when it first
+initialises, which other test modules in this process have already done with one device. The three workers run
+in parallel (started by one module fixture) and report numbers as JSON; the assertions live here.
+
+Tolerances (float32): a sharded step computes the same sums in a different order (per-shard partial sums of the
+batch mean and of every matmul contracting a sharded axis, then an all-reduce), so results differ by rounding
+only: losses and gradient norms agree to 1e-5 relative, parameters and Adam moments to 1e-6 absolute (params are
+O(1), so ~8 float32 ulps; the step's own update is ~2e-3). Adam's eps is 1e-3 in the worker so its update is a
+smooth function of the gradient (with eps=1e-8 the first update is lr * sign(g), and a gradient within rounding
+of zero could flip sign between reduction orders). The trainer runs (5 steps, two meshes) use the same settings
+and tolerances: losses 1e-5 relative, final parameters 1e-6 absolute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tiny_shards import TINY_BUFFERS, tiny_param_elements
+
+from hackable_diffusion.model.config import get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "sharding", "multi_device_worker.py")
+TINY = get_preset("tiny")
+
+
+# ---- multi-device: subprocess workers -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+  """Runs the workers in parallel; returns {'train': ..., 'misc': ..., 'trainer': ...} (JSON measurements)."""
+  tmp = tmp_path_factory.mktemp("sharding")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  procs = {}
+  for what in ("train", "misc", "trainer"):
+    out = str(tmp / f"{what}.json")
+    procs[what] = (subprocess.Popen([sys.executable, WORKER, what, out], env=env, cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+  results, start = {}, time.monotonic()
+  for what, (proc, out) in procs.items():
+    try:
+      log, _ = proc.communicate(timeout=max(1.0, 600 - (time.monotonic() - start)))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      log, _ = proc.communicate()
+    if proc.returncode != 0:
+      results[what] = {"error": f"worker {what!r} exited {proc.returncode}:\n{log[-4000:]}"}
+    else:
+      with open(out, encoding="utf-8") as f:
+        results[what] = json.load(f)
+      results[what]["log"] = log
+  return results
+
+
+def _get(results, what):
+  if "error" in results[what]:
+    pytest.fail(results[what]["error"])
+  return results[what]
+
+
+TRAIN_MESHES = ("8x1x1x1", "2x4x1x1", "2x2x2x1", "1x2x1x4")
+
+
+@pytest.mark.parametrize("mesh", TRAIN_MESHES)
+def test_sharded_train_step_equals_one_device(worker_results, mesh):
+  r = _get(worker_results, "train")
+  assert r["devices"] == 8
+  m = r["meshes"][mesh]
+  assert m["step"] == 2
+  np.testing.assert_allclose(m["loss"], m["ref_loss"], rtol=1e-5)
+  np.testing.assert_allclose(m["grad_norm"], m["ref_grad_norm"], rtol=1e-5)
+  assert m["param_max_diff"] <= 1e-6, m["param_max_diff"]
+  assert m["param_update_max"] > 1e-3  # the step really moved the parameters
+  assert m["opt_max_diff"] <= 1e-6, m["opt_max_diff"]
+
+
+def test_sharded_train_step_compiles_once(worker_results):
+  r = _get(worker_results, "train")
+  for mesh in TRAIN_MESHES:
+    assert r["meshes"][mesh]["compiles_after_first_step"] == 0, mesh
+
+
+def test_parameters_are_placed_by_the_rules(worker_results):
+  specs = {k: v["specs"] for k, v in _get(worker_results, "train")["meshes"].items()}
+  assert specs["8x1x1x1"]["embed_tokens"] == []  # pure data parallel: replicated
+  assert specs["2x4x1x1"]["embed_tokens"] == [None, "fsdp"]
+  assert specs["2x2x2x1"]["embed_tokens"] == ["tensor", "fsdp"]
+  assert specs["2x2x2x1"]["q_proj"] == ["fsdp", "tensor"]
+  assert specs["2x2x2x1"]["mu.embed_tokens"] == ["tensor", "fsdp"]  # optimizer state mirrors the params
+  assert specs["1x2x1x4"]["experts.gate_up_proj"] == ["expert", None, "fsdp"]
+  assert specs["1x1x1x8"]["experts.gate_up_proj"] == []  # 4 experts do not split 8 ways: replicated
+  assert specs["1x1x8x1"]["experts.gate_up_proj"] == [None, "tensor"]
+  assert "not divisible by mesh axes ('expert',) (size 8)" in _get(worker_results, "train")["log"]
+
+
+@pytest.mark.parametrize("mesh", TRAIN_MESHES + ("1x1x1x8", "1x1x8x1"))
+def test_per_device_bytes_match_hand_arithmetic(worker_results, mesh):
+  m = _get(worker_results, "train")["meshes"][mesh]
+  _, f, t, e = map(int, mesh.split("x"))
+  want = 4 * tiny_param_elements(f, t, e)
+  measured = m["param_bytes_measured"]
+  assert len(measured) == 8 and set(measured.values()) == {want}, measured  # every device holds the same
+  assert m["param_bytes_helper"] == want
+  if "state_bytes_helper" in m:
+    # TrainState: params + Adam mu, nu (same shardings) + 4 replicated fp32 buffers + 3 int32 counters
+    want_state = 3 * want + 4 * TINY_BUFFERS + 3 * 4
+    assert m["state_bytes_helper"] == want_state
+    assert set(m["state_bytes_measured"].values()) == {want_state}
+
+
+def test_generate_on_a_mesh_equals_one_device(worker_results):
+  g = _get(worker_results, "misc")["generate"]
+  assert g["embed_spec"] == ["tensor", "fsdp"]  # the parameters really were sharded
+  assert g["new_tokens"] == 2 * TINY.canvas_length
+  assert g["equal"] and g["steps_equal"]
+
+
+def test_checkpoint_restores_onto_another_mesh(worker_results):
+  c = _get(worker_results, "misc")["checkpoint"]
+  assert c["max_diff"] == 0.0 and c["shardings_match"] and c["meta_step"] == 7
+  assert c["restored_embed_spec"] == ["tensor", "fsdp"]  # saved on 2x4x1x1, restored on 1x2x2x2
+  assert c["restored_mu_expert_spec"] == ["expert", "fsdp", "tensor"]
+
+
+def test_train_state_initialised_in_shards_equals_one_device(worker_results):
+  i = _get(worker_results, "misc")["init"]
+  assert i["max_diff"] == 0.0 and i["graphdef_equal"] and i["shardings_match"]
+  assert i["embed_spec"] == ["tensor", "fsdp"]
+
+
+def test_hf_checkpoint_loads_straight_into_shards(worker_results):
+  h = _get(worker_results, "misc")["hf"]
+  assert h["files"] > 1  # a sharded safetensors checkpoint with an index
+  assert h["max_diff"] == 0.0 and h["bf16_max_diff"] == 0.0 and h["bf16_dtype"] == "bfloat16"
+  assert h["shardings_match"]
+  assert h["q_proj_spec"] == ["fsdp", "tensor"] and h["experts_spec"] == ["expert", "tensor", "fsdp"]
+
+
+def test_generate_mesh_argument_equals_one_device(worker_results):
+  """`generate(model, ..., mesh=)` of an unsharded model: every batch input split over data x fsdp, the weights
+  placed by the rules, and the same sequences as one device (argmax sampling, seed canvas, pins, per-row allowed
+  tokens)."""
+  g = _get(worker_results, "misc")["generate_mesh"]
+  assert g["equal"] and g["steps_equal"] and g["tpf_equal"]
+  assert g["new_tokens"] == 2 * TINY.canvas_length
+  batch = [["data", "fsdp"]]
+  specs = g["specs"]
+  assert {k: specs[k] for k in ("seed", "pinned", "allowed", "frozen", "cache_valid")} == dict.fromkeys(
+      ("seed", "pinned", "allowed", "frozen", "cache_valid"), batch)
+  assert specs["cache_key"][0] == batch[0]
+  assert specs["embed"] == ["tensor", "fsdp"]
+
+
+def test_generate_mesh_rejects_a_batch_it_cannot_split(worker_results):
+  msg = _get(worker_results, "misc")["generate_mesh"]["bad_batch_error"]
+  assert "batch of 3 rows is not divisible by the 4 batch shards" in msg and "\n" not in msg
+
+
+def test_trainer_on_a_mesh_equals_one_device(worker_results):
+  """SFTTrainer with `mesh.data=2, mesh.fsdp=2, mesh.tensor=2`: the state is sharded and the per-step losses are
+  those of the same config on one device (1e-5 relative; see the module docstring)."""
+  t = _get(worker_results, "trainer")
+  assert t["single_mesh"] is False  # the default config: no mesh
+  assert t["a_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+  assert t["a_embed_spec"] == ["tensor", "fsdp"] and t["a_batch_spec"] == [["data", "fsdp"]]
+  single, sharded = t["single_losses"], t["sharded_losses"]
+  assert sorted(single, key=int) == sorted(sharded, key=int) == ["1", "2", "3", "4", "5"]
+  for step in ("1", "2", "3"):
+    np.testing.assert_allclose(sharded[step], single[step], rtol=1e-5)
+  assert len(set(single.values())) == 5  # the steps really trained (different batches, moving weights)
+
+
+def test_trainer_checkpoint_resumes_on_another_mesh(worker_results):
+  """The step-3 checkpoint of the 2x2x2 run restores onto fsdp 4 x tensor 2 and continues: steps 4-5 and the final
+  parameters match 5 straight steps on one device."""
+  t = _get(worker_results, "trainer")
+  assert t["a_checkpoints"] == [3] and t["b_start_step"] == 3
+  assert t["b_mesh"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+  assert t["b_embed_spec"] == ["tensor", "fsdp"] and t["b_mu_spec"] == ["fsdp", "tensor"]
+  for step in ("4", "5"):
+    np.testing.assert_allclose(t["sharded_losses"][step], t["single_losses"][step], rtol=1e-5)
+  assert t["final_param_max_diff"] <= 1e-6, t["final_param_max_diff"]
+
+
+def test_trainer_evaluates_on_the_gathered_model(worker_results):
+  t = _get(worker_results, "trainer")
+  assert t["eval_model_devices"] == [1] and t["eval_model_max_diff"] == 0.0
+
+
+def test_trainer_rejects_a_batch_the_mesh_cannot_split(worker_results):
+  msg = _get(worker_results, "trainer")["bad_batch_error"]
+  assert msg.startswith("train.batch_size=6 is not divisible by the 4 batch shards of the mesh") and "\n" not in msg

@@ -1,0 +1,40 @@
+"""The Sudoku attention structure: peer masks, named by spec from the task, applied by a Sudoku-sized model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import structure as model_structure
+from hackable_diffusion.model.config import get_preset
+from hackable_diffusion.tasks.base import get_task
+from hackable_diffusion.tasks.sudoku import structure
+
+
+def test_peer_matrix_counts_20_peers_plus_self():
+  peers = structure.peer_matrix()
+  assert peers.shape == (81, 81) and (peers == peers.T).all()
+  assert (peers.sum(axis=1) == 21).all()  # 8 in the row, 8 in the column, 4 more in the box, and the cell
+  assert peers[0, 8] and peers[0, 72] and peers[0, 20] and not peers[0, 30]
+
+
+def test_the_task_names_its_structure_and_the_model_applies_it():
+  spec = get_task("sudoku").attention_structure()
+  assert spec == structure.PEER_MASK == "hackable_diffusion.tasks.sudoku.structure:peer_mask"
+  config = get_preset("sudoku", attention_structure=spec)
+  mask = model_structure.canvas_mask(config)
+  assert mask.shape == (1, 1, 81, 81) and (mask[0, 0] == structure.peer_matrix()).all()
+  per_head = model_structure.canvas_mask(get_preset("sudoku", attention_structure=structure.PER_HEAD_PEER_MASK))
+  assert per_head.shape == (1, 4, 81, 81)
+  rows = np.arange(81)[:, None] // 9 == np.arange(81)[None] // 9
+  assert (per_head[0, 0] == rows).all() and (per_head[0, 3] == structure.peer_matrix()).all()
+
+
+def test_wrong_canvas_and_old_names_are_one_line_errors():
+  with pytest.raises(ConfigError, match="needs canvas_length=81, got 8"):
+    get_preset("tiny", attention_structure=structure.PEER_MASK)
+  for old, new in (("sudoku_peers", structure.PEER_MASK), ("sudoku_peers_per_head", structure.PER_HEAD_PEER_MASK)):
+    with pytest.raises(ConfigError, match=f"write '{new}'") as err:
+      get_preset("sudoku", attention_structure=old)
+    assert "\n" not in str(err.value)
