@@ -1,9 +1,11 @@
 """Command-line plumbing shared by the CLIs (`train`, `evaluate`, `sample`, `export`).
 
 `--config=FILE` is an ml_collections config file (absl `config_flags`); a bare name (`--config=tiny.py`) is looked
-up in configs/. `make_flags_parser` resolves it and checks every `--config.a.b=...` key before absl sees them (an
-unknown key is a one-line error listing the valid ones); `run` turns the project's user-facing errors
-(`hackable_diffusion.errors`) into one line on stderr and exit code 1.
+up in configs/. `make_flags_parser` resolves it, loads it once itself (a syntax error, an exception while it runs or
+a missing `get_config` is a one-line `FILE:LINE: ...` error instead of absl's traceback) and checks every
+`--config.a.b=...` key before absl sees them (an unknown key is a one-line error listing the valid ones);
+`run_cli` turns the project's user-facing errors (`hackable_diffusion.errors`) into one line on stderr and exit
+code 1, followed by the traceback with `--verbose` (a flag every CLI has).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +25,11 @@ from hackable_diffusion.errors import USER_ERRORS, ConfigError
 from hackable_diffusion.training import config as config_lib
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+VERBOSE_FLAG = "verbose"
+VERBOSE_HELP = "On an error, print its traceback after the one-line message."
+
+if VERBOSE_FLAG not in flags.FLAGS:  # defined once for every CLI (all of them import this module)
+  flags.DEFINE_bool(VERBOSE_FLAG, False, VERBOSE_HELP)
 
 
 def flag_value(argv: Sequence[str], name: str) -> tuple[int, str | None]:
@@ -67,8 +75,9 @@ def prepare_argv(argv: list[str], *, name: str = "config",
     argv[idx] = f"--{name}={resolved}"
   else:
     argv[idx + 1] = resolved
+  config = config_lib.load_config_file(resolved)  # a broken file fails here in one line, not inside absl
   if keys:
-    config_lib.check_override_keys(config_lib.load_config_file(resolved), keys, prefix=name)
+    config_lib.check_override_keys(config, keys, prefix=name)
   return argv
 
 
@@ -81,26 +90,48 @@ def workdir_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[str]], Any] | None = None) -> None:
-  """`absl.app.run(main)` with the project's input errors printed as one line (`error: ...`) and exit code 1."""
+  """`absl.app.run(main)` with the project's input errors printed as one line (`error: ...`) and exit code 1.
+
+  With `--verbose` the traceback follows the line. Errors while parsing the command line (a broken config file,
+  an unknown key) are caught the same way, `--verbose` then read from argv itself.
+  """
+  if VERBOSE_FLAG in flags.FLAGS:  # listed by the CLI's --help
+    flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[VERBOSE_FLAG])
+
   def wrapped(argv):
     if not flags_were_set("verbosity", "v"):
       logging.set_verbosity(logging.WARNING)  # library INFO chatter off unless asked for (-v 0)
     try:
       return main(argv)
     except USER_ERRORS as e:
-      _fail(e)
+      fail(e, verbose=verbose_requested())
 
   def parser(argv):
     try:
       return flags_parser(argv) if flags_parser else _default_parse(argv)
     except USER_ERRORS as e:
-      _fail(e)
+      fail(e, verbose=verbose_requested(argv))
     except SystemExit:
       if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
         sys.exit(0)  # absl exits with 1 after printing help; asking for help is not an error
       raise
 
   app.run(wrapped, flags_parser=parser)
+
+
+def verbose_requested(argv: Sequence[str] | None = None) -> bool:
+  """Whether `--verbose` is on: the parsed flag, or (`argv` given: before or after a failed parse) its last form
+  in `argv` (`--verbose`, `--verbose=true`, `--noverbose`)."""
+  if argv is None:
+    return VERBOSE_FLAG in flags.FLAGS and flags.FLAGS.is_parsed() and bool(flags.FLAGS[VERBOSE_FLAG].value)
+  value = False
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    m = re.match(rf"^--?(no)?{VERBOSE_FLAG}(=(.*))?$", arg)
+    if m:
+      value = not m.group(1) and (m.group(3) is None or m.group(3).lower() in ("1", "true", "t", "yes", "y"))
+  return value
 
 
 def flags_were_set(*names: str) -> bool:
@@ -114,11 +145,19 @@ def _default_parse(argv: list[str]) -> list[str]:
     raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def _fail(e: BaseException) -> None:
+def error_line(e: BaseException) -> str:
+  """The one line a CLI prints for a user-facing error: `error: message` (whitespace folded)."""
   msg = " ".join(str(e).split()) or type(e).__name__
   if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
     msg = f"{msg}: {e.filename}"
-  sys.stderr.write(f"error: {msg}\n")
+  return f"error: {msg}"
+
+
+def fail(e: BaseException, *, verbose: bool = False) -> None:
+  """Prints `error_line(e)` (then, if `verbose`, the traceback) to stderr and exits with code 1."""
+  sys.stderr.write(error_line(e) + "\n")
+  if verbose:
+    sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
   sys.stderr.flush()
   sys.exit(1)
 
@@ -158,5 +197,5 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
   return parse
 
 
-__all__ = ["CONFIG_HELP", "flag_value", "flags_were_set", "make_flags_parser", "override_keys", "prepare_argv",
-           "run_cli", "workdir_config"]
+__all__ = ["CONFIG_HELP", "VERBOSE_FLAG", "error_line", "fail", "flag_value", "flags_were_set", "make_flags_parser",
+           "override_keys", "prepare_argv", "run_cli", "verbose_requested", "workdir_config"]

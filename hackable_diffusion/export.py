@@ -13,6 +13,10 @@ this model, see docs/lora.md) and writes config.json + safetensors (`--dtype`, d
 generation_config.json + tokenizer: what transformers and vLLM load. `--format=peft` writes
 adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained(base, DIR)`; the base is the run's
 `model.checkpoint` (or `--checkpoint`) unless `--base_model` says otherwise.
+
+`--out` must be a new or empty directory (`--overwrite` allows a non-empty one, replacing the exported files in
+it), and never a run's workdir, the `--workdir` itself or a directory inside it, or the `--checkpoint` /
+`--adapter` being read: those are refused with one line before anything is loaded or written.
 """
 
 from __future__ import annotations
@@ -35,6 +39,24 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16
 _BASE = flags.DEFINE_string("base_model", None, "base_model_name_or_path recorded in adapter_config.json.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file or directory to include (default: the run's, "
                                  "or the tokenizer files of --checkpoint).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Allow a non-empty --out (the exported files in it are "
+                               "replaced); a run's workdir is refused even so.")
+
+
+def check_out(out: str, *, workdir: str | None = None, sources: tuple[str, ...] = (), overwrite: bool = False) -> None:
+  """Refuses (one-line ConfigError, nothing written) an `--out` that would damage a run or a source, or replace
+  files without `overwrite`: `workdir` or a directory inside it, a `sources` directory (`--checkpoint`,
+  `--adapter`) or inside one, any run's workdir (`training.run.is_run_workdir`), then `check_out_dir`'s rules."""
+  from hackable_diffusion.interop import export as export_lib
+  from hackable_diffusion.training import run as run_lib
+
+  if workdir and export_lib.is_within(out, workdir):
+    raise ConfigError(f"--out={out} is inside the run being exported (--workdir={workdir}); exporting there would "
+                      "replace the run's config.json; pass an --out outside the workdir")
+  if os.path.isdir(out) and run_lib.is_run_workdir(out):
+    raise ConfigError(f"--out={out} is a training run's workdir; exporting there would replace its config.json; "
+                      "pass a new or empty directory")
+  export_lib.check_out_dir(out, overwrite=overwrite, protect=[s for s in sources if s and os.path.isdir(s)])
 
 
 def _source() -> dict:
@@ -80,6 +102,8 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--out is required (the directory to write)")
   if not _FORMAT.value:
     raise ConfigError("--format is required: 'peft' (adapter files) or 'merged' (a full checkpoint)")
+  check_out(_OUT.value, workdir=_WORKDIR.value, sources=(_CHECKPOINT.value or "", _ADAPTER.value or ""),
+            overwrite=_OVERWRITE.value)  # before the (slow) load
   from hackable_diffusion.interop import export as export_lib
   from hackable_diffusion.lora import has_lora
 
@@ -93,12 +117,13 @@ def main(argv: list[str]) -> None:
       raise ConfigError(
           f"{src['what']} was trained from preset {src['preset']!r}, not a HF checkpoint, so there is no base "
           "model for a PEFT adapter; pass --base_model=... (a HF directory with that base) or use --format=merged")
-    written = export_lib.export_peft(src["model"], _OUT.value, base, tokenizer_path=tokenizer)
+    written = export_lib.export_peft(src["model"], _OUT.value, base, tokenizer_path=tokenizer,
+                                     overwrite=_OVERWRITE.value)
     print(f"wrote a PEFT adapter of {src['what']} (base {base}) to {_OUT.value}")
   else:
     written = export_lib.export_merged(src["model"], _OUT.value, dtype=_DTYPE.value,
                                        generation_defaults=src["defaults"], tokenizer_path=tokenizer,
-                                       vision_source=src["vision"])
+                                       vision_source=src["vision"], overwrite=_OVERWRITE.value)
     merged = " (adapters merged)" if has_lora(src["model"]) else ""
     print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged} to {_OUT.value}")
   for key, value in written.items():

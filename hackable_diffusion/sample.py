@@ -6,7 +6,10 @@
   python -m hackable_diffusion.sample --workdir=runs/tiny --prompt="..." --live   (watch the canvas converge)
 
 With --workdir the prompt gets the run's chat template (and bos) exactly as in training, and the sampler
-defaults come from the run's eval section. The completion goes to stdout, statistics to stderr.
+defaults come from the run's eval section. A prompt training would refuse is refused here too, with one line
+(`encode_prompt`): longer than the run's `data.max_prompt_length` in tokens (unless the run truncates, with
+`data.on_overlength='truncate'`), or, on a Sudoku run, not an 81-cell puzzle. The completion goes to stdout,
+statistics to stderr.
 """
 
 from __future__ import annotations
@@ -86,14 +89,55 @@ def _load_tokenizer(path: str):
     raise ConfigError(f"tokenizer: {e} (pass --tokenizer=PATH)") from None
 
 
-def _encode(tokenizer: Any, text: str, run_cfg: Any) -> list[int]:
-  template = _CHAT_TEMPLATE.value if _CHAT_TEMPLATE.value is not None else (
-      run_cfg.data.chat_template if run_cfg is not None else "")
+def run_task_name(run_cfg: Any) -> str:
+  """The task a run was trained and evaluated on (`eval.task`, else `data.generator`; '' without a run)."""
+  if run_cfg is None:
+    return ""
+  return str(run_cfg.eval.task or run_cfg.data.generator or "")
+
+
+def task_prompt(text: str, run_cfg: Any) -> str:
+  """The prompt as the run's task writes it in its training data; ConfigError for one it could not be.
+
+  A Sudoku run's prompts are the 81 cells in row order, '0' for a blank: a puzzle with '.' blanks or whitespace
+  is normalised to that (`tasks.sudoku.formatting.parse_grid`), anything else (13 digits, 123 characters) refused.
+  """
+  if run_task_name(run_cfg) != "sudoku":
+    return text
+  from hackable_diffusion.tasks.sudoku import formatting
+
+  try:
+    grid = formatting.parse_grid(text)
+  except ValueError as e:
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    raise ConfigError(f"prompt {shown!r} ({len(text)} characters) is not a Sudoku puzzle: {e}; this run's prompts "
+                      "are the 81 cells in row order, '0' or '.' for a blank") from None
+  return "".join(str(int(v)) for v in grid)
+
+
+def encode_prompt(tokenizer: Any, text: str, run_cfg: Any, chat_template: str | None = None) -> list[int]:
+  """Prompt token ids as training builds them (task format, chat template, bos), within the run's limits.
+
+  `chat_template`: None = the run's. Refused with a one-line ConfigError: an empty prompt, one the run's task
+  would not write (`task_prompt`), and one longer than `data.max_prompt_length` tokens (training's rule: with
+  `data.on_overlength='truncate'` it keeps the last tokens instead, with a warning).
+  """
+  text = task_prompt(text, run_cfg)
+  template = chat_template if chat_template is not None else (run_cfg.data.chat_template if run_cfg is not None
+                                                              else "")
   ids = tokenizer.encode(template.format(prompt=text) if template else text)
   if run_cfg is not None and run_cfg.data.add_bos and tokenizer.bos_id >= 0:
     ids = [tokenizer.bos_id] + ids
   if not ids:
     raise ConfigError("the prompt is empty after tokenization")
+  if run_cfg is not None and len(ids) > run_cfg.data.max_prompt_length:
+    limit = run_cfg.data.max_prompt_length
+    if run_cfg.data.on_overlength != "truncate":
+      raise ConfigError(f"the prompt is {len(ids)} tokens, longer than the run's data.max_prompt_length={limit} "
+                        "(training refuses such prompts); shorten it")
+    print(f"warning: the prompt is {len(ids)} tokens; keeping the last {limit} (data.max_prompt_length, "
+          "data.on_overlength='truncate', as in training)", file=sys.stderr)
+    ids = ids[len(ids) - limit:]
   unknown = sum(i == tokenizer.unk_id for i in ids)
   if unknown:
     print(f"warning: {unknown} prompt token(s) are unknown to the tokenizer", file=sys.stderr)
@@ -110,14 +154,15 @@ def live_view(tokenizer: Any):
   return show
 
 
-def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed: int,
-           callback: Any = None) -> list[str]:
+def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed: int, callback: Any = None,
+           chat_template: str | None = None) -> list[str]:
+  """Completions of `prompts`; every prompt is checked (`encode_prompt`) before anything is sampled."""
   import jax
   import numpy as np
 
   from hackable_diffusion.sampling.generate import generate
 
-  encoded = [_encode(tokenizer, p, run_cfg) for p in prompts]
+  encoded = [encode_prompt(tokenizer, p, run_cfg, chat_template) for p in prompts]
   width = max(len(e) for e in encoded)
   ids = np.full((len(encoded), width), tokenizer.pad_id if tokenizer.pad_id >= 0 else 0, np.int32)
   mask = np.zeros((len(encoded), width), bool)
@@ -142,7 +187,8 @@ def main(argv: list[str]) -> None:
   model, tokenizer, run_cfg = _load()
   callback = live_view(tokenizer) if _LIVE.value else None
   if _PROMPT.value:
-    for text in sample(model, tokenizer, list(_PROMPT.value), run_cfg, seed=_SEED.value, callback=callback):
+    for text in sample(model, tokenizer, list(_PROMPT.value), run_cfg, seed=_SEED.value, callback=callback,
+                       chat_template=_CHAT_TEMPLATE.value):
       print(text)
     return
   seed = _SEED.value
@@ -154,7 +200,12 @@ def main(argv: list[str]) -> None:
       break
     if not line.strip():
       break
-    print(sample(model, tokenizer, [line], run_cfg, seed=seed, callback=callback)[0], flush=True)
+    try:
+      print(sample(model, tokenizer, [line], run_cfg, seed=seed, callback=callback,
+                   chat_template=_CHAT_TEMPLATE.value)[0], flush=True)
+    except ConfigError as e:  # a refused prompt: say why, ask for the next one
+      print(cli.error_line(e), file=sys.stderr, flush=True)
+      continue
     seed += 1
 
 

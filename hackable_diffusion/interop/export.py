@@ -7,6 +7,10 @@
   `hd.save_pretrained`, plus a `generation_config.json` that transformers reads into its
   `DiffusionGemmaGenerationConfig` (our sampling defaults) and the tokenizer. This is what vLLM serves (its
   DiffusionGemma has no LoRA support).
+
+Both refuse (one-line `ConfigError`, before anything is written) an output directory that is a file, a training
+run's workdir (`looks_like_run_workdir`: its config.json would be replaced) or, unless `overwrite=True`, a
+non-empty directory (`check_out_dir`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flax import nnx
@@ -33,6 +37,55 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
 MERGED_DTYPES = ("bfloat16", "float32", "float16")
 # SamplingConfig fields that only steer our implementation (transformers has no such setting).
 _OURS_ONLY = ("prompt_length_buckets", "canvas_length", "early_stopping")
+# What marks a directory written by `hackable_diffusion.train` (training.checkpointing.CHECKPOINT_DIR and
+# training.logging.METRICS_FILENAME; named here because interop sits below training in the import graph).
+RUN_WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl")
+
+
+def looks_like_run_workdir(path: str) -> bool:
+  """A training run's workdir (it holds `checkpoints/` or `metrics.jsonl`), not a place to export into."""
+  return os.path.isdir(os.path.join(path, RUN_WORKDIR_MARKERS[0])) or os.path.isfile(
+      os.path.join(path, RUN_WORKDIR_MARKERS[1]))
+
+
+def is_within(path: str, parent: str) -> bool:
+  """`path` is `parent` or inside it, symlinks resolved (neither needs to exist)."""
+  path, parent = os.path.realpath(path), os.path.realpath(parent)
+  return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_out_dir(out_dir: str, *, overwrite: bool = False, protect: Sequence[str] = ()) -> None:
+  """Raises a one-line ConfigError if exporting into `out_dir` could destroy something; writes nothing.
+
+  Refused: an empty path, a file, a directory in `protect` or inside one (what the export reads: the run's
+  workdir, the source checkpoint), a training run's workdir (always: the export's config.json would replace the
+  run's), and a non-empty directory unless `overwrite` (then the files an export writes are replaced, others are
+  left as they are). A missing or empty directory is fine.
+  """
+  if not out_dir:
+    raise ConfigError("the export directory is empty; pass a directory to write, e.g. --out=exports/model")
+  for source in protect:
+    if source and is_within(out_dir, source):
+      where = "is" if os.path.realpath(out_dir) == os.path.realpath(source) else "is inside"
+      raise ConfigError(f"{out_dir}: {where} {source}, which the export reads (its files would be replaced); pass a "
+                        "directory outside it")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f"{out_dir}: exists and is not a directory; pass a new or empty directory as --out")
+  if not os.path.isdir(out_dir):
+    return
+  if looks_like_run_workdir(out_dir):
+    raise ConfigError(f"{out_dir}: is a training run's workdir (it has {' or '.join(RUN_WORKDIR_MARKERS)}); exporting "
+                      "there would replace the run's config.json; pass a new or empty directory as --out")
+  if not overwrite:
+    try:
+      entries = sorted(os.listdir(out_dir))
+    except OSError as e:
+      raise ConfigError(f"{out_dir}: cannot list the export directory ({e.strerror or type(e).__name__})") from None
+    if entries:
+      shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+      count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+      raise ConfigError(f"{out_dir}: not empty ({count}: {shown}); pass a new or empty directory, or --overwrite "
+                        "(overwrite=True) to replace the exported files in it")
 
 
 def generation_config(model_config: Any, defaults: Mapping[str, Any] | SamplingConfig | None = None) -> dict[str, Any]:
@@ -100,14 +153,15 @@ def copy_tokenizer(tokenizer_path: str, out_dir: str) -> list[str]:
 
 
 def export_peft(model: nnx.Module, out_dir: str, base_model_name_or_path: str | None,
-                tokenizer_path: str | None = None) -> dict[str, Any]:
+                tokenizer_path: str | None = None, *, overwrite: bool = False) -> dict[str, Any]:
   """Writes the adapters of a LoRA-wrapped `model` as a PEFT adapter directory; returns the written paths.
 
   `base_model_name_or_path`: the HF checkpoint the adapter applies to (recorded in adapter_config.json, which is
-  where `PeftModel`/`AutoPeftModel` look for the base).
+  where `PeftModel`/`AutoPeftModel` look for the base). `overwrite`: allow a non-empty `out_dir` (`check_out_dir`).
   """
   if not has_lora(model):
     raise AdapterError("the model has no LoRA adapters: export it with format 'merged' instead")
+  check_out_dir(out_dir, overwrite=overwrite)
   written: dict[str, Any] = peft_io.save_adapter(model, out_dir, base_model_name_or_path)
   if tokenizer_path:
     written["tokenizer"] = copy_tokenizer(tokenizer_path, out_dir)
@@ -116,15 +170,19 @@ def export_peft(model: nnx.Module, out_dir: str, base_model_name_or_path: str | 
 
 def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
                   generation_defaults: Mapping[str, Any] | SamplingConfig | None = None,
-                  tokenizer_path: str | None = None, vision_source: str | None = None) -> dict[str, Any]:
+                  tokenizer_path: str | None = None, vision_source: str | None = None, *,
+                  overwrite: bool = False) -> dict[str, Any]:
   """Writes a full HF checkpoint (`config.json`, safetensors, `generation_config.json`, tokenizer).
 
   Adapters, if any, are folded in first (`lora.merge`). `dtype`: 'bfloat16' (default, serving) or 'float32'.
   `vision_source`: a HF checkpoint whose vision tower is copied (default: a tiny stub; see `hd.save_pretrained`).
+  `overwrite`: allow a non-empty `out_dir` (`check_out_dir`; never a run's workdir or the `vision_source`).
   """
   if dtype not in MERGED_DTYPES:
     raise ConfigError(f"dtype={dtype!r}; expected one of {MERGED_DTYPES}")
   gen = generation_config(model.config, generation_defaults)  # validate before writing anything
+  vision = (vision_source,) if vision_source and os.path.isdir(vision_source) else ()
+  check_out_dir(out_dir, overwrite=overwrite, protect=vision)  # its vision tower is read while writing
   plain = merge(model) if has_lora(model) else model
   hf.save_pretrained(plain, out_dir, dtype=dtype, vision_source=vision_source)
   path = write_json(os.path.join(out_dir, GENERATION_CONFIG_NAME), gen)
@@ -134,4 +192,5 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   return written
 
 
-__all__ = ["GENERATION_CONFIG_NAME", "copy_tokenizer", "export_merged", "export_peft", "generation_config"]
+__all__ = ["GENERATION_CONFIG_NAME", "RUN_WORKDIR_MARKERS", "check_out_dir", "copy_tokenizer", "export_merged",
+           "export_peft", "generation_config", "is_within", "looks_like_run_workdir"]

@@ -27,6 +27,7 @@ import importlib.util
 import os
 import re
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -340,26 +341,71 @@ def resolve_config_path(path: str) -> str:
 
 
 def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
-  """Runs `get_config()` of a config file (bare names resolve into configs/) and applies `{'a.b': value}`."""
+  """Runs `get_config()` of a config file (bare names resolve into configs/) and applies `{'a.b': value}`.
+
+  A broken file is a one-line ConfigError naming the file and line (`FILE:LINE: SyntaxError: ...`): the source is
+  compiled here first, so a syntax error never reaches absl / ml_collections, and an exception raised while the
+  file runs or in `get_config()` is reported at the file's own line.
+  """
   resolved = resolve_config_path(path)
   file, _, arg = resolved.partition(":")
-  module_name = "_hd_config_" + re.sub(r"\W", "_", os.path.abspath(file))
-  spec = importlib.util.spec_from_file_location(module_name, file)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[module_name] = module  # dataclasses defined in a config file need their module registered
+  module = _exec_config_file(file)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(f"{file}: defines no get_config(); a config file returns its ConfigDict from get_config()")
   try:
-    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
   except Exception as e:  # noqa: BLE001 - a broken config file: say where, in one line
-    raise ConfigError(f"{file}: cannot load ({type(e).__name__}: {' '.join(str(e).split())})") from None
-  if not hasattr(module, "get_config"):
-    raise ConfigError(f"{file}: defines no get_config()")
-  config = module.get_config(arg) if arg else module.get_config()
+    raise config_file_error(file, e) from e
   if not isinstance(config, ml_collections.ConfigDict):
-    config = ml_collections.ConfigDict(config)
+    try:
+      config = ml_collections.ConfigDict(config)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"{file}: get_config() returned a {type(config).__name__}, not a ConfigDict or dict "
+                        f"({' '.join(str(e).split())})") from None
   config.lock()
   if overrides:
     apply_overrides(config, overrides)
   return config
+
+
+def check_config_source(file: str) -> Any:
+  """Compiles a config file (no code runs); returns the code object or raises `FILE:LINE: SyntaxError: ...`."""
+  try:
+    with open(file, "rb") as f:
+      source = f.read()
+  except OSError as e:
+    raise ConfigError(f"{file}: cannot read the config file ({e.strerror or type(e).__name__})") from None
+  try:
+    return compile(source, file, "exec", dont_inherit=True)
+  except (SyntaxError, ValueError) as e:  # ValueError: null bytes in the source
+    raise config_file_error(file, e) from e
+
+
+def config_file_error(file: str, e: BaseException) -> ConfigError:
+  """One line `FILE:LINE: ExcType: message` for an exception raised compiling or running a config file."""
+  line = e.lineno if isinstance(e, SyntaxError) else None
+  if line is None:  # the innermost frame in the config file itself
+    target = os.path.abspath(file)
+    line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__))
+                 if os.path.abspath(fr.filename) == target), None)
+  message = " ".join(str(e.msg if isinstance(e, SyntaxError) else e).split())
+  where = f"{file}:{line}" if line else file
+  return ConfigError(f"{where}: {type(e).__name__}" + (f": {message}" if message else ""))
+
+
+def _exec_config_file(file: str) -> Any:
+  """The config file run as a module (registered in sys.modules: dataclasses defined in it need that)."""
+  code = check_config_source(file)
+  module_name = "_hd_config_" + re.sub(r"\W", "_", os.path.abspath(file))
+  spec = importlib.util.spec_from_file_location(module_name, file)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[module_name] = module
+  try:
+    exec(code, module.__dict__)  # noqa: S102 - running the user's config file is the point
+  except Exception as e:  # noqa: BLE001 - a broken config file: say where, in one line
+    sys.modules.pop(module_name, None)
+    raise config_file_error(file, e) from e
+  return module
 
 
 def config_from_json(path: str) -> ml_collections.ConfigDict:
@@ -412,7 +458,7 @@ def write_config_json(config: ml_collections.ConfigDict | Mapping[str, Any], wor
 
 __all__ = [
     "CONFIG_FILENAME", "CONFIGS_DIR", "ConfigError", "DataSection", "EvalSection", "ExperimentConfig", "ModelSection",
-    "SECTIONS", "TokenizerSection", "TrainSection", "TrainingError", "apply_overrides", "check_override_keys",
-    "config_from_json", "config_to_dict", "load_config_file", "mesh_requested", "resolve_config_path",
-    "write_config_json",
+    "SECTIONS", "TokenizerSection", "TrainSection", "TrainingError", "apply_overrides", "check_config_source",
+    "check_override_keys", "config_file_error", "config_from_json", "config_to_dict", "load_config_file",
+    "mesh_requested", "resolve_config_path", "write_config_json",
 ]

@@ -201,3 +201,95 @@ def test_workdir_export_peft_cli_and_merged(workdir, tmp_path):
                                      generation_defaults=dict(max_denoising_steps=run.config.eval.early_stopping_steps))
   assert json.load(open(written["generation_config"]))["max_denoising_steps"] == run.config.eval.early_stopping_steps
   assert max_abs_diff(our_logits(hd.load_pretrained(str(tmp_path / "merged")), ids, canvas, sc), ours) <= 1e-4
+
+
+# ---- nothing is overwritten without asking (issue 18, rows 5 and 6) ------------------------------------------------
+def _snapshot(root) -> dict[str, tuple]:
+  """Every path under `root` -> (bytes, mtime_ns) of a file, or None for a directory: equal means untouched."""
+  out: dict[str, tuple | None] = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames:
+      out[os.path.relpath(os.path.join(dirpath, name), root)] = None
+    for name in filenames:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = (f.read(), os.stat(path).st_mtime_ns)
+  return out
+
+
+def _existing_dir(path) -> str:
+  path.mkdir()
+  (path / "config.json").write_text('{"mine": true}')
+  (path / "model.safetensors").write_bytes(b"an earlier export")
+  (path / "notes.txt").write_text("keep me")
+  return str(path)
+
+
+def test_export_refuses_a_non_empty_dir_unless_overwrite(adapted, tmp_path):
+  import shutil
+
+  base, model = adapted
+  existing = _existing_dir(tmp_path / "existing")
+  before = _snapshot(existing)
+  for export in (lambda **kw: export_lib.export_merged(model, existing, dtype="float32", **kw),
+                 lambda **kw: export_lib.export_peft(model, existing, base, **kw)):
+    with pytest.raises(ConfigError, match=r"existing: not empty \(3 entries: config\.json, model\.safetensors, "
+                       r"notes\.txt\); pass a new or empty directory, or --overwrite") as err:
+      export()
+    assert "\n" not in str(err.value)
+    assert _snapshot(existing) == before  # nothing written
+  # a run's workdir is refused even with overwrite, and so is the checkpoint whose vision tower is copied
+  run = tmp_path / "run"
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "config.json").write_text('{"train": {"steps": 2}}')
+  (run / "metrics.jsonl").write_text('{"step": 1}\n')
+  source = str(tmp_path / "base_copy")
+  shutil.copytree(base, source)
+  for out, kw, match in ((str(run), {}, "is a training run's workdir"),
+                         (source, dict(vision_source=source), "which the export reads"),
+                         (str(run / "config.json"), {}, "exists and is not a directory")):
+    kept = {p: _snapshot(p) for p in (str(run), source)}
+    with pytest.raises(ConfigError, match=match):
+      export_lib.export_merged(model, out, overwrite=True, **kw)
+    assert {p: _snapshot(p) for p in kept} == kept
+  # overwrite=True: the exported files are replaced, the others kept
+  export_lib.export_merged(model, existing, dtype="float32", overwrite=True)
+  assert json.load(open(os.path.join(existing, "config.json")))["model_type"] != "mine"
+  assert open(os.path.join(existing, "notes.txt")).read() == "keep me"
+  again = hd.load_pretrained(existing)
+  np.testing.assert_array_equal(np.asarray(again.layers[0].self_attn.q_proj.kernel[...]),
+                                np.asarray(lora.merge(model).layers[0].self_attn.q_proj.kernel[...]))
+  export_lib.export_merged(model, str(tmp_path / "empty_is_fine"), dtype="float32")
+  (tmp_path / "empty").mkdir()
+  export_lib.export_peft(model, str(tmp_path / "empty"), base)
+
+
+def test_export_cli_refuses_the_runs_workdir_and_non_empty_dirs(workdir, tmp_path):
+  import re
+
+  base, wd, _ = workdir
+  before = _snapshot(wd)
+  link = tmp_path / "link_to_run"
+  link.symlink_to(wd)
+  cases = [  # (args, pattern of the one line)
+      ([f"--workdir={wd}", f"--out={wd}", "--format=merged"], r"is inside the run being exported"),
+      ([f"--workdir={wd}", f"--out={link / 'export'}", "--format=peft", "--overwrite"],
+       r"is inside the run being exported"),
+      ([f"--checkpoint={base}", f"--out={wd}", "--format=merged", "--overwrite"], r"is a training run's workdir"),
+  ]
+  for args, pattern in cases:
+    res = _cli(*args)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
+    assert re.search(pattern, lines[0]) and "config.json" in lines[0], lines[0]
+    assert _snapshot(wd) == before  # the run is byte-for-byte unchanged
+  existing = _existing_dir(tmp_path / "existing")
+  kept = _snapshot(existing)
+  res = _cli(f"--checkpoint={base}", f"--out={existing}", "--format=merged")
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith("error: "), res.stderr[-3000:]
+  assert "not empty (3 entries" in res.stderr and "--overwrite" in res.stderr
+  assert _snapshot(existing) == kept
+  res = _cli(f"--checkpoint={base}", f"--out={existing}", "--format=merged", "--dtype=float32", "--overwrite")
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert open(os.path.join(existing, "notes.txt")).read() == "keep me"
+  assert json.load(open(os.path.join(existing, "generation_config.json")))["max_denoising_steps"] == 48

@@ -1,0 +1,156 @@
+"""User errors of the CLIs (issue 18, rows 10 and 12, and `--verbose`): one `error:` line, exit code 1.
+
+- A broken config file (syntax error, an exception while it runs, no `get_config`) is named with its line before
+  absl / ml_collections load it (in-process through `cli.prepare_argv`, and as `train` / `evaluate` print it).
+- Every CLI takes `--verbose`: the same line, then the traceback.
+- `sample` refuses a prompt training would refuse: longer than `data.max_prompt_length` tokens, or on a Sudoku run
+  not an 81-cell puzzle (in-process, with a character tokenizer).
+The export rows (5, 6) are tested with a model in tests/interop/test_export.py.
+
+Only this module imports `hackable_diffusion.sample` in-process (its flags would clash with those of
+`hackable_diffusion.export` / `train` in one process); the other CLIs run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hackable_diffusion import cli as cli_lib
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.training import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (source, the one line's pattern after 'error: ')
+BROKEN_CONFIGS = {
+    "bad_syntax.py": ("import ml_collections\n\n\ndef get_config():\n  return ml_collections.ConfigDict(dict(a=(1,)\n",
+                      r"bad_syntax\.py:5: SyntaxError: '\(' was never closed$"),
+    "bad_indent.py": ("def get_config():\n  x = 1\n    return x\n", r"bad_indent\.py:3: IndentationError: "),
+    "raises.py": ("import ml_collections\n\nraise RuntimeError('boom at import')\n",
+                  r"raises\.py:3: RuntimeError: boom at import$"),
+    "bad_import.py": ("import no_such_module_xyz\n", r"bad_import\.py:1: ModuleNotFoundError: .*no_such_module_xyz"),
+    "no_get_config.py": ("X = 1\n", r"no_get_config\.py: defines no get_config\(\)"),
+    "get_config_raises.py": ("def get_config():\n  return {'a': 1 / 0}\n",
+                             r"get_config_raises\.py:2: ZeroDivisionError: division by zero$"),
+}
+
+
+@pytest.fixture()
+def broken_configs(tmp_path):
+  for name, (source, _) in BROKEN_CONFIGS.items():
+    (tmp_path / name).write_text(source)
+  return tmp_path
+
+
+def test_broken_config_files_are_one_line_errors_naming_file_and_line(broken_configs):
+  for name, (_, pattern) in BROKEN_CONFIGS.items():
+    path = str(broken_configs / name)
+    for call in (lambda: cli_lib.prepare_argv(["prog", f"--config={path}"]),  # what every CLI runs before absl
+                 lambda: config_lib.load_config_file(path)):
+      with pytest.raises(ConfigError) as err:
+        call()
+      message = str(err.value)
+      assert "\n" not in message and message.startswith(path), message
+      assert re.search(pattern, message), (pattern, message)
+  # with override keys, the file is still the first thing checked
+  with pytest.raises(ConfigError, match=r"bad_syntax\.py:5: SyntaxError"):
+    cli_lib.prepare_argv(["prog", f"--config={broken_configs / 'bad_syntax.py'}", "--config.train.steps=3"])
+  assert cli_lib.prepare_argv(["prog", "--config=tiny.py"])[1].endswith("tiny.py")  # a good file passes
+
+
+def test_verbose_requested_reads_argv():
+  assert not cli_lib.verbose_requested(["prog"])
+  assert cli_lib.verbose_requested(["prog", "--verbose"])
+  assert cli_lib.verbose_requested(["prog", "-verbose=true"])
+  assert not cli_lib.verbose_requested(["prog", "--verbose", "--noverbose"])
+  assert not cli_lib.verbose_requested(["prog", "--verbose=false"])
+  assert not cli_lib.verbose_requested(["prog", "--", "--verbose"])
+  assert not cli_lib.verbose_requested(["prog", "--verbose_x"])
+
+
+def _cli(module: str, *args: str, cwd) -> subprocess.CompletedProcess:
+  path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu", PYTHONPATH=path)
+  return subprocess.run([sys.executable, "-m", f"hackable_diffusion.{module}", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+# Each CLI with an error it reports: two while parsing the command line (a broken config file), two from main().
+CLI_ERRORS = [
+    ("train", ["--config=bad_syntax.py", "--workdir=w"], r"^error: bad_syntax\.py:5: SyntaxError: '\(' was never "
+     r"closed$"),
+    ("evaluate", ["--config=raises.py", "--workdir=w"], r"^error: raises\.py:3: RuntimeError: boom at import$"),
+    ("sample", ["--prompt=123"], r"^error: pass exactly one of --workdir .* and --checkpoint"),
+    ("export", ["--out=o"], r"^error: --format is required"),
+]
+
+
+@pytest.mark.parametrize("module,args,pattern", CLI_ERRORS, ids=[c[0] for c in CLI_ERRORS])
+def test_every_cli_prints_one_line_and_with_verbose_the_traceback(module, args, pattern, broken_configs):
+  quiet = _cli(module, *args, cwd=broken_configs)
+  assert quiet.returncode == 1, quiet.stderr[-2000:]
+  lines = quiet.stderr.strip().splitlines()
+  assert len(lines) == 1 and re.search(pattern, lines[0]), quiet.stderr[-3000:]
+  loud = _cli(module, *args, "--verbose", cwd=broken_configs)
+  assert loud.returncode == 1, loud.stderr[-2000:]
+  lines = loud.stderr.strip().splitlines()
+  assert lines[0] == quiet.stderr.strip(), loud.stderr[-3000:]  # the same line first
+  assert "Traceback (most recent call last):" in loud.stderr and len(lines) > 3, loud.stderr[-3000:]
+  assert lines[-1].startswith("hackable_diffusion.errors.ConfigError: "), lines[-1]
+  assert not (broken_configs / "w").exists() and not (broken_configs / "o").exists()
+
+
+# ---- sample: prompts are checked as training checks them ----------------------------------------------------------
+class CharTokenizer:
+  """One token per character (ids 3..), as the char tokenizer of the tiny and Sudoku runs; 0 pad, 1 unk, 2 bos."""
+
+  pad_id, unk_id, bos_id, eos_id = 0, 1, 2, -1
+
+  def encode(self, text: str) -> list[int]:
+    return [3 + ord(c) if c.isprintable() else self.unk_id for c in text]
+
+
+def _run_config(name: str, **overrides):
+  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(name, overrides))
+
+
+def test_sample_refuses_prompts_training_would_refuse(capsys):
+  from hackable_diffusion import sample as sample_lib
+
+  tok = CharTokenizer()
+  sudoku = _run_config("sudoku.py")
+  puzzle = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+  assert len(puzzle) == 81
+  assert sample_lib.encode_prompt(tok, puzzle, sudoku) == tok.encode(puzzle)
+  dotted = puzzle.replace("0", ".")
+  grid = "\n".join(" ".join(dotted[r * 9:(r + 1) * 9]) for r in range(9))  # '.' blanks and whitespace: same cells
+  assert sample_lib.encode_prompt(tok, grid, sudoku) == tok.encode(puzzle)
+  for bad, why in (("1234567890123", r"\(13 characters\) is not a Sudoku puzzle: expected 81 cells .*got 13"),
+                   ("1" * 123, r"\(123 characters\) is not a Sudoku puzzle: expected 81 cells .*got 123"),
+                   (puzzle[:-1] + "x", r"is not a Sudoku puzzle: invalid character 'x' at position 80")):
+    with pytest.raises(ConfigError, match=r"^prompt '.*' (\(81 characters\) )?" + why) as err:
+      sample_lib.encode_prompt(tok, bad, sudoku)
+    assert "\n" not in str(err.value)
+  with pytest.raises(ConfigError, match="13 characters"):  # sample() checks every prompt before using the model
+    sample_lib.sample(None, tok, [puzzle, "1234567890123"], sudoku, seed=0)
+
+  tiny = _run_config("tiny.py")  # digits task, data.max_prompt_length=8, on_overlength='error'
+  assert sample_lib.encode_prompt(tok, "5895382", tiny) == tok.encode("5895382")
+  with pytest.raises(ConfigError, match=r"^the prompt is 9 tokens, longer than the run's "
+                     r"data\.max_prompt_length=8 \(training refuses such prompts\); shorten it$"):
+    sample_lib.encode_prompt(tok, "123456789", tiny)
+  with_bos = _run_config("tiny.py", **{"data.add_bos": True})
+  with pytest.raises(ConfigError, match=r"is 10 tokens"):  # bos and chat template count, as in training
+    sample_lib.encode_prompt(tok, "123456", with_bos, chat_template="[{prompt}]x")
+  with pytest.raises(ConfigError, match="max_prompt_length=8"):
+    sample_lib.sample(None, tok, ["123456789"], tiny, seed=0)
+  truncating = _run_config("tiny.py", **{"data.on_overlength": "truncate"})
+  assert sample_lib.encode_prompt(tok, "123456789", truncating) == tok.encode("23456789")  # training keeps the end
+  assert "keeping the last 8" in capsys.readouterr().err
+  # without a run (a HF checkpoint) there are no run limits
+  assert sample_lib.encode_prompt(tok, "1" * 123, None) == tok.encode("1" * 123)
