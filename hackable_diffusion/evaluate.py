@@ -4,7 +4,9 @@
       [--config.eval.num_examples=512 --config.eval.step_budgets="(8,16,32)" ...]
 
 Without --config the run's own workdir/config.json is used (overrides still apply). Writes
-workdir/eval/report_step_{N}.json and workdir/eval/accuracy_vs_steps_step_{N}.png and prints a summary.
+workdir/eval/report_step_{N}.json and workdir/eval/accuracy_vs_steps_step_{N}.png and prints a summary. The
+output directory is checked for writability first: a read-only run is a one-line error before evaluating (pass
+--out=DIR to write elsewhere).
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
   from hackable_diffusion.evaluation import loop
   from hackable_diffusion.training import run as run_lib
+  from hackable_diffusion.training import workdir as workdir_lib
 
+  out_dir = _OUT.value or os.path.join(_WORKDIR.value, run_lib.EVAL_DIR)
+  # the report is written at the end: a read-only run (or --out) is a one-line error now, not after evaluating
+  workdir_lib.check_writable_dir(out_dir, what="--out directory" if _OUT.value else "eval directory",
+                                 hint="" if _OUT.value else "pass --out=DIR to write the report elsewhere")
   run = run_lib.load_run(_WORKDIR.value, flags.FLAGS.config, _STEP.value)
   data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
-  out_dir = _OUT.value or os.path.join(_WORKDIR.value, run_lib.EVAL_DIR)
   report = run_lib.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step, out_dir=out_dir)
   print(f"step {run.step}, task {report['task']}, {report['num_examples']} examples:")
   for line in loop.summary_lines(report):

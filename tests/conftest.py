@@ -68,6 +68,19 @@ def hf_factory(tmp_path_factory):
   return build
 
 
+@pytest.fixture(scope="module")
+def shared_xla_cache(tmp_path_factory):
+  """A persistent XLA compilation cache shared by the session's tests and the CLI subprocesses of tests/test_cli.py
+  (same programs, compiled once per session)."""
+  import jax
+
+  path = tmp_path_factory.getbasetemp() / "xla_cache"
+  path.mkdir(exist_ok=True)
+  if jax.config.jax_compilation_cache_dir is None:
+    jax.config.update("jax_compilation_cache_dir", str(path))
+  yield path
+
+
 def max_abs_diff(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 

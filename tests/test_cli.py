@@ -188,6 +188,12 @@ def test_evaluate_and_sample_cli(killed_and_resumed):
   res = cli("evaluate", f"--workdir={workdir}", "--step=12345", env=env, cwd=tmp)
   assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
   assert "no checkpoint at step 12345; available steps: [275, 300]" in res.stderr
+  # a bad sampler override of the run's config: one line before any evaluation (no report written)
+  bad_out = os.path.join(tmp, "bad_eval_out")
+  res = cli("evaluate", f"--workdir={workdir}", f"--out={bad_out}", "--config.eval.sampling.t_min=0.9",
+            "--config.eval.sampling.t_max=0.1", env=env, cwd=tmp)
+  assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+  assert "eval.sampling.t_min=0.9" in res.stderr and not os.path.exists(os.path.join(bad_out, "report_step_300.json"))
   res = cli("sample", f"--workdir={workdir}", "--prompt=5895382", "--steps=8", "--live", env=env, cwd=tmp)
   assert res.returncode == 0, res.stderr[-2000:]
   outs = res.stdout.strip().splitlines()

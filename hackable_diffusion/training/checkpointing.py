@@ -10,16 +10,29 @@ Keeping them apart lets evaluation and sampling restore only `params` + `rest`. 
 orbax allows (device->host copy happens in `save`, the write in a background thread); a step directory appears
 under its final name only once complete, so a run killed mid-save leaves the previous checkpoints loadable
 (orbax deletes the partial temporary directory in the background when the manager is next opened for writing).
+
+Failed saves are errors, never hangs or silent losses. A save that fails (ENOSPC, EIO, ...) raises a one-line
+`CheckpointError` naming the step, the reason and the last complete checkpoint - from `save` when the synchronous
+part fails, else from the first `check()` (non-blocking, called by the trainer every step), `wait()`, `save()` or
+`close()` after the background write failed. Older checkpoints are only deleted (`max_to_keep`) once a newer save
+has completed, so the last complete checkpoint survives a failed save and stays restorable. Once the error has
+been raised, `close()` releases orbax's resources without raising it again, and orbax's own tracebacks of that
+failure (logged from its background threads) are dropped unless absl logs at INFO (`-v 0`): the one line says it.
 """
 
 from __future__ import annotations
 
+import logging as py_logging
 import os
+import shutil
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from hackable_diffusion.interop.hf import CheckpointError
 from hackable_diffusion.training.step import TrainState
@@ -32,6 +45,48 @@ def _one_line(e: BaseException) -> str:
   text = " ".join(str(e).split())
   text = text if len(text) <= 300 else text[:300] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ---- quiet failure paths ----------------------------------------------------------------------------------------
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+_QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
+
+
+class _OrbaxFailureFilter(py_logging.Filter):
+  """Drops orbax's error logs (a traceback each, many per failure, most from its background threads) and asyncio's
+  'Future exception was never retrieved' for the other writes of the same failed save, while its Checkpointer has
+  an operation in flight or after one of its saves failed - the Checkpointer reports that failure as one line -
+  unless absl logs at INFO or more (`-v 0`). One filter per Checkpointer (added at construction, removed by a
+  clean `close()`; kept after a failed save, whose late noise it still drops)."""
+
+  def __init__(self, checkpointer: Checkpointer):
+    super().__init__()
+    self._checkpointer = checkpointer
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if record.levelno < py_logging.ERROR or not (record.name == "asyncio" or record.pathname.startswith(_ORBAX_DIR)):
+      return True
+    return logging.get_verbosity() >= logging.INFO or not self._checkpointer.operation_failed_or_in_flight()
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
+def _ignore_closed_loop_callbacks(unraisable: Any) -> None:
+  """`sys.unraisablehook` that drops `RuntimeError('Event loop is closed')`: when an orbax restore fails (a damaged
+  checkpoint), tensorstore reads still in flight finish later and call back into the restore's asyncio loop, which
+  orbax has closed by then; Python would print each as a traceback around the one-line error."""
+  e = unraisable.exc_value
+  if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+    return
+  _previous_unraisablehook(unraisable)
+
+
+def _install_unraisable_hook() -> None:
+  global _previous_unraisablehook
+  if sys.unraisablehook is not _ignore_closed_loop_callbacks:
+    _previous_unraisablehook = sys.unraisablehook
+    sys.unraisablehook = _ignore_closed_loop_callbacks
 
 
 def abstract_like(tree: Any) -> Any:
@@ -63,6 +118,13 @@ class Checkpointer:
                read_only: bool = False):
     self.directory = os.path.abspath(directory)
     self.read_only = read_only
+    self._pending: int | None = None  # the step of an asynchronous save not yet known to be complete
+    self._failed: str | None = None  # the one-line message of a failed save (close() is quiet after it)
+    self._restoring = False
+    self._log_filter = _OrbaxFailureFilter(self)
+    for name in _QUIET_LOGGERS:
+      py_logging.getLogger(name).addFilter(self._log_filter)
+    _install_unraisable_hook()
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"{self.directory}: no checkpoint directory (has this workdir been trained?)")
     # read_only: nothing is created, cleaned or deleted (orbax's own read_only option only adds log warnings)
@@ -100,6 +162,7 @@ class Checkpointer:
     """
     if self.read_only:
       raise CheckpointError(f"{self.directory}: opened read-only, cannot save")
+    self.wait()  # the previous save must have completed (a failed one raises here, before a new one starts)
     if step in self._manager.all_steps():
       return False
     items = dict(
@@ -110,10 +173,54 @@ class Checkpointer:
     if state.rest is not None:
       items["rest"] = ocp.args.StandardSave(state.rest)
     args = ocp.args.Composite(**items)
-    saved = self._manager.save(step, args=args, force=True)
+    if step in self.complete_steps():
+      raise CheckpointError(f"{self.directory}/{step}: exists on disk but not in orbax's list of steps; move it away")
+    self._set_pending(step)
+    try:
+      saved = self._manager.save(step, args=args, force=True)
+    except Exception as e:  # noqa: BLE001 - ENOSPC, EIO, ... in the synchronous part of the save
+      raise self._save_failed(step, e) from None
     if wait:
       self.wait()
     return bool(saved)
+
+  def check(self) -> None:
+    """Raises the one-line `CheckpointError` of an asynchronous save that has failed; never blocks (a save still
+    being written is left alone). Cheap enough to call every step."""
+    if self._failed is not None:
+      raise CheckpointError(self._failed)
+    if self._pending is not None and not self._manager.is_saving_in_progress():
+      self.wait()
+
+  def complete_steps(self) -> list[int]:
+    """The steps whose directory is on disk under its final name (a save still in progress or failed is not)."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+
+  def _save_failed(self, step: int | None, e: BaseException) -> CheckpointError:
+    """Records a failed save of `step` and returns its one-line error (naming the last complete checkpoint)."""
+    # the failed save's other writes, abandoned by orbax, are reported when collected: noise after the one line
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
+    if step is not None and step == self._pending and step in self.complete_steps():
+      # this save's directory was renamed into place, but the save did not finish: it is not a good checkpoint
+      shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+    done = [s for s in self.complete_steps() if s != step]
+    kept = f"the last complete checkpoint {self.directory}/{done[-1]} is kept" if done else "no checkpoint was kept"
+    where = self.directory if step is None else f"{self.directory}/{step}"
+    self._failed = (f"{where}: cannot write this checkpoint ({_one_line(e)}); {kept} - free disk space (or fix "
+                    f"the error) and rerun the same command to resume")
+    self._set_pending(None)
+    return CheckpointError(self._failed)
+
+  def _set_pending(self, step: int | None) -> None:
+    self._pending = step
+
+  def operation_failed_or_in_flight(self) -> bool:
+    """Whether a save or restore is running or a save has failed (orbax's error logs then belong to it)."""
+    return self._pending is not None or self._restoring or self._failed is not None
 
   # ---- restore ------------------------------------------------------------------------------------------------
   def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
@@ -147,20 +254,51 @@ class Checkpointer:
     return dict(self._restore(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
   def _restore(self, step: int, args: ocp.args.Composite):
+    self._restoring = True
     try:
       return self._manager.restore(step, args=args)
     except Exception as e:  # noqa: BLE001 - a damaged or mismatched checkpoint; report one line
       raise CheckpointError(
           f"{self.directory}/{step}: cannot restore this checkpoint ({_one_line(e)}); it is damaged or was "
           f"written by a different model/config - delete it to fall back to an earlier step") from None
+    finally:
+      self._restoring = False
 
   # ---- lifecycle ----------------------------------------------------------------------------------------------
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until a pending asynchronous save has completed; raises its one-line error if it failed."""
+    if self._failed is not None:
+      raise CheckpointError(self._failed)
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - the background write failed
+      raise self._save_failed(self._pending, e) from None
+    self._set_pending(None)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for a pending save and releases orbax's threads and files. Raises a save failure only if it was not
+    raised before; after one, closing never raises."""
+    try:
+      if self._failed is None:
+        self.wait()
+    finally:
+      self._close_manager()
+      if self._failed is None:  # after a failed save the filter stays: orbax's late noise of it is still dropped
+        for name in _QUIET_LOGGERS:
+          py_logging.getLogger(name).removeFilter(self._log_filter)
+
+  def _close_manager(self) -> None:
+    # After a failed save, orbax re-raises stored background errors (once per error and thread) from inside
+    # close() before it has released anything: retry until it gets through (bounded: there are few such errors).
+    error: Exception | None = None
+    for _ in range(4):
+      try:
+        self._manager.close()
+        return
+      except Exception as e:  # noqa: BLE001
+        error = error or e
+    if self._failed is None:
+      raise CheckpointError(f"{self.directory}: cannot close the checkpoint manager ({_one_line(error)})")
 
   def __enter__(self) -> Checkpointer:
     return self

@@ -2,7 +2,13 @@
 
 `metrics.jsonl` holds one JSON object per log step: `{"step": N, "time": unix_seconds, <metric>: float, ...}`.
 On resume the writer drops lines logged after the restored step (they belong to the lost part of the run), and
-the TensorBoard writer purges those events too, so both read like one uninterrupted run.
+the TensorBoard writer purges those events too, so both read like one uninterrupted run (no step is logged twice).
+
+Failures are errors, never hangs: every write happens in the calling thread (TensorBoard events too - tensorboardX's
+`SummaryWriter` writes from a background thread through a bounded queue, and when that thread dies of a full disk
+the next `add_scalar` blocks forever), and an `OSError` (ENOSPC, EIO, ...) becomes a one-line `TrainingError` at
+once. The JSONL line is flushed per write (one `write` call per line, so a killed process leaves whole lines); the
+event file is flushed per log step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
+
+from hackable_diffusion.errors import TrainingError
 
 METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -52,33 +60,82 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   return out
 
 
+def _write_error(path: str, e: OSError) -> TrainingError:
+  reason = " ".join(f"{e.strerror or e}".split()) + (f" [errno {e.errno}]" if e.errno else "")
+  return TrainingError(f"{path}: cannot write metrics ({reason}); stopped - the last complete checkpoint is kept, "
+                       f"free disk space (or fix the error) and rerun to resume")
+
+
+class _EventFile:
+  """TensorBoard scalar events written synchronously in the caller's thread (tensorboardX's `EventsWriter`, no
+  queue, no worker thread: a failed write raises here instead of killing a thread the caller then waits on)."""
+
+  def __init__(self, logdir: str, *, purge_step: int | None = None):
+    from tensorboardX.event_file_writer import EventsWriter  # local: only the writing process needs it
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    os.makedirs(logdir, exist_ok=True)
+    self._event = Event
+    # pid + counter: two writers of one directory in the same second (a resume in-process) get distinct files
+    suffix, n = f".{os.getpid()}", 0
+    while any(f.endswith(suffix) for f in os.listdir(logdir)):
+      n += 1
+      suffix = f".{os.getpid()}-{n}"
+    self._writer = EventsWriter(os.path.join(logdir, "events"), suffix)
+    self.path = logdir  # named in error messages
+    if purge_step is not None:  # TensorBoard hides this file's older events with step >= purge_step
+      self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                     session_log=SessionLog(status=SessionLog.START)))
+      self._writer.flush()
+
+  def add_scalars(self, step: int, values: Mapping[str, float]) -> None:
+    from tensorboardX.summary import scalar
+
+    for k, v in values.items():
+      self._writer.write_event(self._event(summary=scalar(k, v), step=step, wall_time=time.time()))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 class MetricWriter:
   """Appends scalars to `workdir/metrics.jsonl` and TensorBoard events under `workdir/tensorboard/`.
 
   Only process 0 writes (`enabled` defaults to `jax.process_index() == 0`). `resume_step`: the step training
-  restarts from; JSONL lines and TensorBoard events after it are dropped.
+  restarts from; JSONL lines and TensorBoard events after it are dropped. Any `OSError` while writing raises a
+  one-line `TrainingError` naming the file; after one, `close()` releases the files without raising again.
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None,
                tensorboard: bool = True):
     self.enabled = is_main_process() if enabled is None else enabled
     self.path = os.path.join(workdir, METRICS_FILENAME)
-    self._tb = None
+    self._tb: _EventFile | None = None
+    self._file = None
+    self._failed = False
     if not self.enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
-    kept = [r for r in read_metrics(workdir) if isinstance(r.get("step"), int) and r["step"] <= resume_step]
     tmp = self.path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      for r in kept:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.path)
-    self._file = open(self.path, "a", encoding="utf-8")
+    try:
+      os.makedirs(workdir, exist_ok=True)
+      kept = [r for r in read_metrics(workdir) if isinstance(r.get("step"), int) and r["step"] <= resume_step]
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+      os.replace(tmp, self.path)
+      self._file = open(self.path, "a", encoding="utf-8")
+    except OSError as e:
+      _remove_quietly(tmp)
+      raise _write_error(self.path, e) from None
     if tensorboard:
-      from tensorboardX import SummaryWriter  # local: only the writing process needs it
-
-      self._tb = SummaryWriter(logdir=os.path.join(workdir, TENSORBOARD_DIR),
-                               purge_step=resume_step + 1 if resume_step else None, flush_secs=30)
+      logdir = os.path.join(workdir, TENSORBOARD_DIR)
+      try:
+        self._tb = _EventFile(logdir, purge_step=resume_step + 1 if resume_step else None)
+      except OSError as e:
+        self._file.close()
+        raise _write_error(logdir, e) from None
 
   def write(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> None:
     """Writes scalar metrics of one step (values: Python/NumPy/JAX scalars)."""
@@ -86,25 +143,47 @@ class MetricWriter:
       return
     values = {prefix + k: _to_float(v) for k, v in metrics.items()}
     record = {"step": int(step), "time": round(time.time(), 3), **{k: _json_safe(v) for k, v in values.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    self._guarded(self.path, lambda: (self._file.write(json.dumps(record) + "\n"), self._file.flush()))
     if self._tb is not None:
-      for k, v in values.items():
-        if math.isfinite(v):  # non-finite values stay in the JSONL (TensorBoard would warn about them)
-          self._tb.add_scalar(k, v, int(step))
+      # non-finite values stay in the JSONL (TensorBoard would warn about them)
+      finite = {k: v for k, v in values.items() if math.isfinite(v)}
+      self._guarded(self._tb.path, lambda: (self._tb.add_scalars(int(step), finite), self._tb.flush()))
 
   def flush(self) -> None:
     if self.enabled:
-      self._file.flush()
+      self._guarded(self.path, self._file.flush)
       if self._tb is not None:
-        self._tb.flush()
+        self._guarded(self._tb.path, self._tb.flush)
 
   def close(self) -> None:
-    if self.enabled:
-      self._file.close()
-      if self._tb is not None:
-        self._tb.close()
-      self.enabled = False
+    """Flushes and closes both files; raises a `TrainingError` for a failure not reported by an earlier call."""
+    if not self.enabled:
+      return
+    self.enabled = False
+    files = [(self.path, self._file)] + ([(self._tb.path, self._tb)] if self._tb is not None else [])
+    error: TrainingError | None = None
+    for path, f in files:
+      try:
+        f.close()  # a closed file stays closed even when its final flush fails
+      except OSError as e:
+        error = error or _write_error(path, e)
+    if error is not None and not self._failed:
+      self._failed = True
+      raise error
+
+  def _guarded(self, path: str, fn: Any) -> None:
+    try:
+      fn()
+    except OSError as e:
+      self._failed = True
+      raise _write_error(path, e) from None
+
+
+def _remove_quietly(path: str) -> None:
+  try:
+    os.remove(path)
+  except OSError:
+    pass
 
 
 class Progress:

@@ -7,6 +7,8 @@ here, not through the trainer. A run's workdir holds:
   workdir/checkpoints/<N>/   orbax (see checkpointing.py)  workdir/metrics.jsonl     one JSON object per log step
   workdir/tensorboard/       TensorBoard events            workdir/eval/             reports and plots
   workdir/data/              data written by a built-in generator (data.generator)
+  workdir/.lock              the owning run's lock         workdir/config.prev.json  the config before a resume
+                                                           changed it (both: training/workdir.py)
 """
 
 from __future__ import annotations

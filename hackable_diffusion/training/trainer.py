@@ -23,6 +23,12 @@ Non-finite loss: the step leaves the state unchanged when the loss or gradient i
 `finite=False`; the trainer reads that flag every step (one scalar device->host read, which serialises host and
 device work but costs little next to a step), saves the unchanged (last good) state as a checkpoint, and stops
 with a one-line `TrainingError`.
+
+I/O failures: a metrics or TensorBoard write that fails (ENOSPC, EIO) raises a one-line `TrainingError` at once
+(every write happens in the training thread); a checkpoint save that fails raises a one-line `CheckpointError` -
+an asynchronous save's failure is picked up by `Checkpointer.check()` at the next step. Either way the loop stops,
+the last complete checkpoint is kept (older ones are deleted only after a newer save completed), and cleanup
+errors after the first one are logged, not raised, so the user sees that one line.
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ from hackable_diffusion import sharding
 from hackable_diffusion.data.sft import make_sft_dataset
 from hackable_diffusion.errors import TrainingError
 from hackable_diffusion.evaluation import loop as eval_loop
-from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.training import workdir as workdir_lib
 from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
 from hackable_diffusion.training.config import ExperimentConfig
 from hackable_diffusion.training.logging import MetricWriter, Progress, is_main_process
@@ -92,7 +98,8 @@ class SFTTrainer:
 
   Args:
     config: an `ExperimentConfig` or a ConfigDict/dict with the sections of `training/config.py`.
-    workdir: the run directory (created).
+    workdir: the run directory (created; checked, locked and compared with its stored config.json before anything
+      is written, see `training/workdir.py`; `close()` releases the lock).
     progress: show the tqdm bar (default: on process 0).
   """
 
@@ -103,9 +110,18 @@ class SFTTrainer:
     shard_index, shard_count, host_batch = run_lib.data_shard(cfg, self.mesh)
     self.workdir = workdir = os.path.abspath(workdir)
     self._progress_enabled = progress
-    os.makedirs(workdir, exist_ok=True)
-    if is_main_process():
-      config_lib.write_config_json(cfg.raw, workdir)
+    # before anything is written: data paths, workdir writable, the workdir lock (process 0), resume
+    # compatibility with the stored config.json; then config.json (versioned). See training/workdir.py.
+    self._lock = workdir_lib.open_workdir(cfg, workdir)
+    try:
+      self._setup(cfg, workdir, shard_index, shard_count, host_batch)
+    except BaseException:
+      if self._lock is not None:
+        self._lock.release()
+      raise
+
+  def _setup(self, cfg: ExperimentConfig, workdir: str, shard_index: int, shard_count: int, host_batch: int) -> None:
+    """The rest of `__init__` (run with the workdir locked): tokenizer, data, model, optimizer, train state."""
     self.paths = run_lib.data_paths(cfg, workdir)
     self.tokenizer = run_lib.build_tokenizer(cfg, workdir, self.paths["train"])
     self.model_config = run_lib.build_model_config(cfg, self.tokenizer)
@@ -125,6 +141,8 @@ class SFTTrainer:
     self.graphdef, params, rest = nnx.split(abstract, trainable, ...)
     self.tx, self.lr_schedule, self.train_step, self._shardings = _optimizer_and_step(self.graphdef, cfg, self.mesh,
                                                                                       params, rest)
+    if is_main_process():
+      workdir_lib.warn_if_low_disk(workdir, workdir_lib.state_bytes(abstract_train_state(params, rest, self.tx)))
     latest = self.checkpointer.latest_step()
     if latest is not None:
       self.state = self._restore(latest, trainable, params, rest)
@@ -203,7 +221,12 @@ class SFTTrainer:
 
   # ---- the loop -----------------------------------------------------------------------------------------------
   def train(self) -> dict[str, float]:
-    """Trains to `train.steps`; returns the last logged metrics. Raises TrainingError on a non-finite loss."""
+    """Trains to `train.steps`; returns the last logged metrics.
+
+    Raises a one-line TrainingError on a non-finite loss or a failed metrics write, and a CheckpointError when a
+    checkpoint cannot be written (an asynchronous save's failure is picked up at the next step); either way the
+    last complete checkpoint is kept and a rerun resumes from it.
+    """
     cfg = self.config.train
     total = cfg.steps
     step = self.step
@@ -217,8 +240,10 @@ class SFTTrainer:
     t_log = time.perf_counter()
     if step > 0:
       bar.write(f"resuming from step {step} ({self.checkpointer.directory})")
+    stopped = True  # by an exception, until the loop ends normally
     try:
       while step < total:
+        self.checkpointer.check()  # a background save that failed stops the run now, not at the next save
         data_state = iterator.get_state()
         batch = next(iterator)
         tokens += float(np.sum(batch.prompt_mask) + np.sum(batch.completion_mask)) * self._tokens_scale
@@ -246,15 +271,26 @@ class SFTTrainer:
         report_path = os.path.join(self.workdir, run_lib.EVAL_DIR, eval_loop.REPORT_PATTERN.format(step=step))
         if not os.path.exists(report_path):
           self._evaluate_and_log(step, writer, bar)
+      stopped = False
     except KeyboardInterrupt:
       self.save(step, iterator.get_state(), wait=True)
       raise TrainingError(f"interrupted at step {step}; saved a checkpoint - rerun the same command to resume")
     finally:
-      bar.close()
-      writer.close()
-      self.checkpointer.wait()
       self._data_state = iterator.get_state()  # a later train() call continues from here
+      self._finish(bar, writer, quiet=stopped)
     return last
+
+  def _finish(self, bar: Progress, writer: MetricWriter, *, quiet: bool) -> None:
+    """Closes the bar and the metric files and waits for the last checkpoint to be written. `quiet` (training is
+    already stopping with an error): a failure here is only logged, so that error is the one line the user sees."""
+    bar.close()
+    for finish in (writer.close, self.checkpointer.wait):
+      try:
+        finish()
+      except Exception as e:  # noqa: BLE001
+        if not quiet:
+          raise
+        logging.info("while stopping after an error: %s", e)
 
   def _log(self, step: int, pending: list[dict[str, jax.Array]], writer: MetricWriter, tokens_per_s: float,
            steps_per_s: float) -> dict[str, float]:
@@ -268,7 +304,12 @@ class SFTTrainer:
     return out
 
   def _evaluate_and_log(self, step: int, writer: MetricWriter, bar: Progress) -> None:
-    report = self.evaluate(log=bar.write if is_main_process() else None)
+    try:
+      report = self.evaluate(log=bar.write if is_main_process() else None)
+    except OSError as e:  # the report or plot could not be written (ENOSPC, EIO, ...)
+      where = f": {e.filename}" if e.filename else ""
+      raise TrainingError(f"cannot write the evaluation report at step {step} ({e.strerror or e}{where}); stopped - "
+                          f"the last complete checkpoint is kept, free disk space and rerun to resume") from None
     for run in report["runs"]:
       values = {f"{run['name']}/{k}": v for k, v in run["metrics"].items() if isinstance(v, float)}
       values[f"{run['name']}/mean_denoising_steps"] = run["mean_denoising_steps"]
@@ -288,7 +329,11 @@ class SFTTrainer:
         f"{'saved' if saved else 'kept'} the last good state as {where} - lower optimizer.peak_lr or check the data")
 
   def close(self) -> None:
-    self.checkpointer.close()
+    try:
+      self.checkpointer.close()
+    finally:
+      if self._lock is not None:
+        self._lock.release()  # the workdir lock (training/workdir.py)
 
   def __enter__(self) -> SFTTrainer:
     return self

@@ -33,14 +33,7 @@ COMMON = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """The persistent XLA cache tests/test_cli.py's subprocesses fill (same programs: same config settings)."""
-  path = tmp_path_factory.getbasetemp() / "xla_cache"
-  path.mkdir(exist_ok=True)
-  if jax.config.jax_compilation_cache_dir is None:
-    jax.config.update("jax_compilation_cache_dir", str(path))
-  yield
+pytestmark = pytest.mark.usefixtures("shared_xla_cache")  # tests/conftest.py
 
 
 def tiny_config(**overrides):
