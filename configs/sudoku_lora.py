@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       preset="",
       checkpoint=BASE,  # a previous run's workdir or a HF DiffusionGemma directory
-      dtype="float32",  # parameter dtype when loading a checkpoint
+      dtype="auto",  # parameter dtype when loading a checkpoint ("auto": the dtype it was saved in)
       # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
       overrides=ml_collections.ConfigDict(),  # the base run's model config
   ))

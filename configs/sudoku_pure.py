@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       preset="sudoku",  # hidden 128, 4 layers (2 sliding + 2 full), 4 heads, 4 experts top-2
       checkpoint="",  # or a HF DiffusionGemma directory to fine-tune (then preset='')
-      dtype="float32",  # parameter dtype when loading a checkpoint
+      dtype="auto",  # parameter dtype when loading a checkpoint ("auto": the dtype it was saved in)
       # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
       overrides=ml_collections.ConfigDict(dict(canvas_length=81, attention_structure=STRUCTURE)),
   ))

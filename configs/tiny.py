@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(dict(
       preset="tiny",  # a name in hackable_diffusion.model.config.PRESETS
       checkpoint="",  # or a HF DiffusionGemma directory to fine-tune (then preset='')
-      dtype="float32",  # parameter dtype when loading a checkpoint
+      dtype="auto",  # parameter dtype when loading a checkpoint ("auto": the dtype it was saved in)
       # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
       overrides=ml_collections.ConfigDict(dict(canvas_length=8)),
   ))

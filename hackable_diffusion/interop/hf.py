@@ -116,6 +116,33 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
     raise CheckpointError(str(e)) from None
 
 
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(path: str) -> str:
+  """The dtype a HF checkpoint was saved in: config.json's `dtype` (transformers 5) or `torch_dtype` (older),
+  at the top level or in `text_config`; 'float32' when it records none. One-line `CheckpointError` for another."""
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: not a directory")
+  config = read_json(os.path.join(path, "config.json"), error=CheckpointError)
+  sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+  for section in sections:
+    for key in ("dtype", "torch_dtype"):
+      value = section.get(key)
+      if value is None or value == "auto":
+        continue
+      name = str(value).removeprefix("torch.")
+      if name not in CHECKPOINT_DTYPES:
+        raise CheckpointError(f"{path}/config.json: {key}={value!r}; expected one of {list(CHECKPOINT_DTYPES)}")
+      return name
+  return "float32"
+
+
+def resolve_dtype(path: str, dtype: Any) -> Any:
+  """`dtype`, or the checkpoint's own (`checkpoint_dtype`) when it is 'auto'."""
+  return checkpoint_dtype(path) if isinstance(dtype, str) and dtype == "auto" else dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredTensor:
   """One stored tensor as the variable it loads into sees it: `shape` is ours (the stored one reversed when
@@ -216,19 +243,20 @@ def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host)
   return model
 
 
-def load_pretrained(path: str, dtype: Any = jnp.float32, *, compute_dtype: Any = None, adapter: str | None = None,
+def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None, adapter: str | None = None,
                     mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES,
                     **config_overrides: Any) -> DiffusionGemma:
   """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
 
-  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given). Tensors are read one at a
+  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given); 'auto' (default): the dtype
+  the checkpoint was saved in (`checkpoint_dtype`: bfloat16 for the released models). Tensors are read one at a
   time and cast on the fly (peak memory: the model plus one tensor in transit); the vision tower is skipped with
   one warning. `mesh`: every tensor goes straight into its `NamedSharding` on the mesh (by `rules`), each device
   reading only its own slice (`place_in_shards`). Raises `CheckpointError` naming the tensor for a missing tensor,
   an unexpected tensor, or a shape mismatch. `adapter`: a PEFT adapter directory to apply on top (see
   `hackable_diffusion.interop.peft`). `config_overrides`: `ModelConfig` fields to override.
   """
-  dtype = jnp.dtype(dtype)
+  dtype = jnp.dtype(resolve_dtype(path, dtype))
   compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
   config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
   model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
@@ -360,6 +388,6 @@ def checkpoint_nbytes(path: str) -> int:
   return sum(os.path.getsize(f) for f in _weight_files(path))
 
 
-__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "CheckpointError", "Placement", "StoredTensor", "checkpoint_nbytes",
-           "iter_tensors", "load_config", "load_pretrained", "load_weights", "place_in_shards", "place_on_host",
-           "save_pretrained"]
+__all__ = ["CHECKPOINT_DTYPES", "INDEX_NAME", "WEIGHTS_NAME", "CheckpointError", "Placement", "StoredTensor",
+           "checkpoint_dtype", "checkpoint_nbytes", "iter_tensors", "load_config", "load_pretrained", "load_weights",
+           "place_in_shards", "place_on_host", "resolve_dtype", "save_pretrained"]

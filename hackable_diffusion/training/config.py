@@ -63,13 +63,14 @@ class ModelSection:
 
   preset: a name in `hackable_diffusion.model.config.PRESETS` ('' when `checkpoint` is set).
   checkpoint: a HF DiffusionGemma directory loaded with `hd.load_pretrained` ('' for a fresh init).
-  dtype: parameter dtype when loading a checkpoint ('float32' or 'bfloat16').
+  dtype: parameter dtype when loading a checkpoint: 'auto' (the dtype it was saved in, bfloat16 for the released
+    models), 'float32', 'bfloat16' or 'float16'.
   overrides: ModelConfig fields. For a fresh init, `vocab_size` defaults to the tokenizer's size.
   """
 
   preset: str = "tiny"
   checkpoint: str = ""
-  dtype: str = "float32"
+  dtype: str = "auto"
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -80,8 +81,8 @@ class ModelSection:
     unknown = sorted(set(self.overrides) - fields)
     if unknown:
       raise ConfigError(f"model.overrides has unknown key(s) {unknown}; valid keys: {sorted(fields)}")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ConfigError(f"model.dtype={self.dtype!r}; expected 'float32', 'bfloat16' or 'float16'")
+    if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+      raise ConfigError(f"model.dtype={self.dtype!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, tra
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.interop.hf import load_config as load_hf_config
-from hackable_diffusion.interop.hf import load_pretrained
+from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import Task, get_task
@@ -126,8 +126,9 @@ def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConf
     base = build_model_config(as_experiment_config(base_cfg), tokenizer)
     return base.replace(**overrides) if overrides else base
   if cfg.model.checkpoint:
-    overrides.setdefault("param_dtype", cfg.model.dtype)
-    overrides.setdefault("dtype", cfg.model.dtype)
+    dtype = resolve_dtype(cfg.model.checkpoint, cfg.model.dtype)
+    overrides.setdefault("param_dtype", dtype)
+    overrides.setdefault("dtype", dtype)
     model_config = load_hf_config(cfg.model.checkpoint, **overrides)
   else:
     overrides.setdefault("vocab_size", tokenizer.vocab_size)

@@ -167,6 +167,32 @@ def test_bf16_checkpoint_loads(hf_factory, tmp_path):
   with torch.no_grad():
     ref_w = ref16.model.decoder.layers[0].mlp.up_proj.weight.float().numpy()
   np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.up_proj.kernel[...]).T, ref_w)
+  # the default dtype is the checkpoint's own: bf16 parameters and compute, the same values
+  auto = hd.load_pretrained(str(tmp_path))
+  assert auto.config.param_dtype == "bfloat16" and auto.config.dtype == "bfloat16"
+  kernel = auto.layers[0].mlp.up_proj.kernel[...]
+  assert kernel.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(kernel.astype(jnp.float32)).T, ref_w)
+
+
+def test_checkpoint_dtype_is_read_from_config_json(hf_factory, tmp_path):
+  from hackable_diffusion.interop.hf import checkpoint_dtype
+
+  _, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
+  assert checkpoint_dtype(path) == "float32"  # transformers saved the fp32 model with dtype='float32'
+  assert hd.load_pretrained(path).embed_tokens[...].dtype == jnp.float32
+  config = json.load(open(os.path.join(path, "config.json")))
+  for record, expected in (({"torch_dtype": "bfloat16"}, "bfloat16"), ({"text_config": {"dtype": "float16"}},
+                                                                       "float16"), ({}, "float32")):
+    edited = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+    edited.update(record)
+    if "text_config" in record:
+      edited["text_config"] = {**config["text_config"], **record["text_config"]}
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    assert checkpoint_dtype(str(tmp_path)) == expected, record
+  (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "int8"}))
+  with pytest.raises(CheckpointError, match=r"config.json: dtype='int8'; expected one of"):
+    checkpoint_dtype(str(tmp_path))
 
 
 def test_save_pretrained_loads_in_transformers(tmp_path):

@@ -1,0 +1,49 @@
+"""training/run.py: building a run's model config from a Hugging Face checkpoint keeps the checkpoint's dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.training import run as run_lib
+
+
+class _StandInTokenizer:
+  """Only the size and special ids of the run's tokenizer matter to the model config."""
+
+  vocab_size, pad_id, eos_id, bos_id, unk_id = 32, 0, 1, 2, 3
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(hf_factory, tmp_path_factory):
+  ref, _ = hf_factory("run_dtype", canvas=6)
+  path = tmp_path_factory.mktemp("bf16_checkpoint")
+  ref16 = ref.to(torch.bfloat16)
+  try:
+    ref16.save_pretrained(path)
+  finally:
+    ref.to(torch.float32)
+  return str(path)
+
+
+def _config(checkpoint: str, **overrides):
+  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(
+      "tiny.py", {"model.preset": "", "model.checkpoint": checkpoint, **overrides}))
+
+
+def test_checkpoint_dtype_is_the_default(bf16_checkpoint):
+  cfg = _config(bf16_checkpoint)
+  assert cfg.model.dtype == "auto"
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
+  assert (model_config.param_dtype, model_config.dtype) == ("bfloat16", "bfloat16")
+  # an explicit dtype still wins
+  model_config = run_lib.build_model_config(_config(bf16_checkpoint, **{"model.dtype": "float32"}),
+                                            _StandInTokenizer())
+  assert (model_config.param_dtype, model_config.dtype) == ("float32", "float32")
+
+
+def test_bad_model_dtype_is_one_line():
+  with pytest.raises(ConfigError, match=r"model.dtype='int8'; expected 'auto', 'float32'"):
+    _config("/some/checkpoint", **{"model.dtype": "int8"})
