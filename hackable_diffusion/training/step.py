@@ -106,10 +106,15 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Calla
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
                     grad_accum_steps: int = 1, lr_schedule: Callable | None = None, jit: bool = True,
                     donate: bool = True, mesh: Mesh | None = None, shardings: TrainState | None = None,
-                    rules: Rules = LOGICAL_AXIS_RULES
-                    ) -> Callable[[TrainState, SFTBatch, jax.Array], tuple[TrainState, Metrics]]:
+                    rules: Rules = LOGICAL_AXIS_RULES, halt_after_non_finite: bool = False
+                    ) -> Callable[..., tuple[TrainState, Metrics]]:
   """A jitted `(state, batch, key) -> (state, metrics)` (`jit=False`: the pure function, for callers that jit it
   themselves); `donate`: the input state's buffers are reused for the output.
+
+  `halt_after_non_finite`: the step takes a fourth argument, `healthy` (a bool scalar: the previous step's
+  `metrics['finite']`), and leaves the state unchanged unless it is True; `metrics['finite']` is then
+  `healthy & finite`. Fed back step to step on the device, it freezes the state at the last good one from the first
+  non-finite step on, so a trainer can read the flag at its logging interval instead of after every step.
 
   Gradient accumulation splits the batch into `grad_accum_steps` micro-batches (scanned; keys folded with the
   micro-batch index) and averages their gradients and metrics. A non-finite loss or gradient leaves the state
@@ -158,20 +163,29 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
       metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
     return new, metrics
 
+  def halting_step(state: TrainState, batch: SFTBatch, key: jax.Array,
+                   healthy: jax.Array) -> tuple[TrainState, Metrics]:
+    new, metrics = step(state, batch, key)
+    ok = jnp.logical_and(healthy, metrics["finite"])
+    return _select(ok, new, state), dict(metrics, finite=ok)
+
+  body = halting_step if halt_after_non_finite else step
   donate_argnums = (0,) if donate else ()
   if mesh is None:
-    return jax.jit(step, donate_argnums=donate_argnums) if jit else step
+    return jax.jit(body, donate_argnums=donate_argnums) if jit else body
 
-  def sharded_step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
+  def sharded_step(state: TrainState, batch: SFTBatch, key: jax.Array, *healthy: jax.Array
+                   ) -> tuple[TrainState, Metrics]:
     with activation_sharding(mesh, rules):
       batch = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), batch)
-      return step(state, batch, key)
+      return body(state, batch, key, *healthy)
 
   if not jit:
     return sharded_step
   rep = replicated(mesh)
-  return jax.jit(sharded_step, in_shardings=(shardings, batch_sharding(mesh, rules), rep),
-                 out_shardings=(shardings, rep), donate_argnums=donate_argnums)
+  in_shardings = (shardings, batch_sharding(mesh, rules), rep) + ((rep,) if halt_after_non_finite else ())
+  return jax.jit(sharded_step, in_shardings=in_shardings, out_shardings=(shardings, rep),
+                 donate_argnums=donate_argnums)
 
 
 def make_eval_step(graphdef: nnx.GraphDef,

@@ -20,9 +20,11 @@ whatever mesh the resuming run has. Evaluation during training gathers the model
 and runs as on one device. Only process 0 writes the config, tokenizer, metrics, TensorBoard events and reports.
 
 Non-finite loss: the step leaves the state unchanged when the loss or gradient is not finite and reports
-`finite=False`; the trainer reads that flag every step (one scalar device->host read, which serialises host and
-device work but costs little next to a step), saves the unchanged (last good) state as a checkpoint, and stops
-with a one-line `TrainingError`.
+`finite=False`; that flag is fed back into the next step on the device, which then leaves the state unchanged too
+(`make_train_step(halt_after_non_finite=True)`), so the host reads it only before logging, saving or evaluating
+and at the end - no device->host sync per step. Then the trainer saves the last good state (the state after the
+first non-finite step's predecessors) as the checkpoint of that step, and stops with a one-line `TrainingError`;
+a non-finite update is never applied, so never written.
 
 I/O failures: a metrics or TensorBoard write that fails (ENOSPC, EIO) raises a one-line `TrainingError` at once
 (every write happens in the training thread); a checkpoint save that fails raises a one-line `CheckpointError` -
@@ -75,7 +77,7 @@ def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, mesh: Mes
     tx, schedule = make_optimizer(cfg.optimizer)
     shardings = None if mesh is None else train_state_shardings(mesh, params, rest, tx)
     step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
-                           lr_schedule=schedule, mesh=mesh, shardings=shardings)
+                           lr_schedule=schedule, mesh=mesh, shardings=shardings, halt_after_non_finite=True)
     while len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
       _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = (tx, schedule, step, shardings)
@@ -234,7 +236,13 @@ class SFTTrainer:
     iterator = self.train_data.iterator(self._data_state)
     writer = MetricWriter(self.workdir, resume_step=step)
     bar = Progress(total, step, enabled=self._progress_enabled)
-    pending: list[dict[str, jax.Array]] = []
+    pending: list[dict[str, jax.Array]] = []  # the metrics of the steps since the last log step
+    pending_data: list[Mapping[str, Any]] = []  # the data-iterator state before each of those steps
+    # `metrics['finite']` of the last step, fed back into the next one on the device: after a non-finite step the
+    # state stays the last good one (see `make_train_step(halt_after_non_finite=True)`), so it is read on the host
+    # only before logging, saving, evaluating and at the end, not after every step
+    # (committed like the step's outputs, so the first step and the later ones share one compiled program)
+    healthy = jax.device_put(True, jax.local_devices()[0] if self.mesh is None else sharding.replicated(self.mesh))
     last: dict[str, float] = {}
     tokens = 0.0
     t_log = time.perf_counter()
@@ -249,21 +257,26 @@ class SFTTrainer:
         tokens += float(np.sum(batch.prompt_mask) + np.sum(batch.completion_mask)) * self._tokens_scale
         if self.mesh is not None:
           batch = sharding.shard_batch(batch, self.mesh)
-        self.state, metrics = self.train_step(self.state, batch, jax.random.fold_in(base_key, step))
-        if not bool(metrics["finite"]):
-          self._stop_non_finite(step, metrics, data_state, writer)
+        self.state, metrics = self.train_step(self.state, batch, jax.random.fold_in(base_key, step), healthy)
+        healthy = metrics["finite"]
         step += 1
         pending.append(metrics)
+        pending_data.append(data_state)
         bar.update(1)
-        if step % cfg.log_every == 0 or step == total:
+        log_now = step % cfg.log_every == 0 or step == total
+        save_now = step % cfg.checkpoint_every == 0 or step == total
+        eval_now = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step != total
+        if (log_now or save_now or eval_now) and not bool(jax.device_get(healthy)):
+          self._stop_non_finite(step - len(pending), pending, pending_data, writer)
+        if log_now:
           elapsed = time.perf_counter() - t_log
           last = self._log(step, pending, writer, tokens / max(elapsed, 1e-9), len(pending) / max(elapsed, 1e-9))
           bar.update(0, tokens=tokens)
           bar.set_metrics(last["loss"], lr=last.get("lr", 0.0))
-          pending, tokens, t_log = [], 0.0, time.perf_counter()
-        if step % cfg.checkpoint_every == 0 or step == total:
+          pending, pending_data, tokens, t_log = [], [], 0.0, time.perf_counter()
+        if save_now:
           self.save(step, iterator.get_state())
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+        if eval_now:
           self._evaluate_and_log(step, writer, bar)
           t_log = time.perf_counter()
       self.checkpointer.wait()
@@ -273,6 +286,8 @@ class SFTTrainer:
           self._evaluate_and_log(step, writer, bar)
       stopped = False
     except KeyboardInterrupt:
+      if pending and not bool(jax.device_get(healthy)):  # frozen since a non-finite step: save that state
+        self._stop_non_finite(step - len(pending), pending, pending_data, writer)
       self.save(step, iterator.get_state(), wait=True)
       raise TrainingError(f"interrupted at step {step}; saved a checkpoint - rerun the same command to resume")
     finally:
@@ -315,12 +330,17 @@ class SFTTrainer:
       values[f"{run['name']}/mean_denoising_steps"] = run["mean_denoising_steps"]
       writer.write(step, values, prefix="eval/")
 
-  def _stop_non_finite(self, step: int, metrics: Mapping[str, jax.Array], data_state: Mapping[str, Any],
-                       writer: MetricWriter) -> None:
-    loss = float(metrics["loss"])
-    grad_norm = float(metrics["grad_norm"])
+  def _stop_non_finite(self, first: int, pending: list[Mapping[str, jax.Array]],
+                       pending_data: list[Mapping[str, Any]], writer: MetricWriter) -> None:
+    """Saves the last good state and stops: `pending[i]` are the metrics of step `first + i`, one of them (the
+    first with `finite=False`) the first non-finite step; the state has been frozen since then."""
+    host = jax.device_get(pending)
+    bad = next(i for i, m in enumerate(host) if not bool(m["finite"]))
+    step, data_state = first + bad, pending_data[bad]
+    loss = float(host[bad]["loss"])
+    grad_norm = float(host[bad]["grad_norm"])
     writer.write(step, {"loss": loss, "grad_norm": grad_norm}, prefix="train/")
-    # The step left the state unchanged: it is the state after `step` good updates.
+    # The steps from `step` on left the state unchanged: it is the state after `step` good updates.
     saved = step not in self.checkpointer.all_steps()
     self.save(step, data_state, wait=True)
     where = f"{self.checkpointer.directory}/{step}"

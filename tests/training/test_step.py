@@ -54,6 +54,22 @@ def test_non_finite_update_keeps_the_previous_state(stepper):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_halting_step_stays_frozen_after_a_non_finite_step():
+  """With `halt_after_non_finite=True` the `healthy` flag fed back from the previous step freezes the state: a step
+  whose own loss is finite changes nothing once an earlier step was not, and says so in `finite`."""
+  tx, _ = make_optimizer(OptimizerConfig(peak_lr=3e-3, warmup_steps=0))
+  graphdef, state = init_train_state(init_model(CFG, 0), tx)
+  step = make_train_step(graphdef, tx, LossConfig(), donate=False, halt_after_non_finite=True)
+  healthy = jnp.asarray(True)
+  new, metrics = step(state, _batch(), jax.random.key(0), healthy)
+  assert bool(metrics["finite"]) and int(new.step) == int(state.step) + 1
+  frozen, metrics = step(new, _batch(1), jax.random.key(1), jnp.asarray(False))
+  assert np.isfinite(float(metrics["loss"])) and not bool(metrics["finite"])
+  assert int(frozen.step) == int(new.step)
+  for a, b in zip(jax.tree.leaves(frozen.params), jax.tree.leaves(new.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_only_trainable_filter_changes():
   tx, _ = make_optimizer(OptimizerConfig(peak_lr=1e-2, warmup_steps=0))
   model = init_model(CFG, 1)

@@ -140,6 +140,47 @@ def test_exact_resume(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@jax.tree_util.register_pytree_node_class
+class _Flag:
+  """The step's `finite` flag, recording how the loop reads it: `bool()` of the device array (a blocking
+  device->host sync) or of a host copy (after an explicit `jax.device_get`, which maps over this pytree)."""
+
+  reads: list[str] = []
+
+  def __init__(self, value):
+    self.value = value
+
+  def __bool__(self):
+    self.reads.append("device" if isinstance(self.value, jax.Array) else "host")
+    return bool(self.value)
+
+  def tree_flatten(self):
+    return (self.value,), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children)
+
+
+def test_training_loop_reads_the_non_finite_flag_only_when_it_logs_or_saves(tmp_path, monkeypatch):
+  """No device->host sync per step: the loop feeds the flag back into the next step on the device and reads it
+  (explicitly, one copy) only at the log and save steps - here steps 3 and 6 of 6."""
+  config = tiny_config(**{"train.steps": 6, "train.log_every": 3, "train.checkpoint_every": 6,
+                          "train.eval_at_end": False, "diffusion.self_conditioning_prob": 0.0})
+  monkeypatch.setattr(_Flag, "reads", [])
+  with trainer_lib.SFTTrainer(config, str(tmp_path / "run"), progress=False) as t:
+    original = t.train_step
+
+    def flagged(state, batch, key, healthy):
+      state, metrics = original(state, batch, key, healthy.value if isinstance(healthy, _Flag) else healthy)
+      return state, dict(metrics, finite=_Flag(metrics["finite"]))
+
+    t.train_step = flagged
+    t.train()
+    assert t.step == 6
+  assert _Flag.reads == ["host", "host"]
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_state(tmp_path):
   """A huge learning rate blows the weights up after one update; the next step's gradient is NaN. The step
   leaves the state unchanged, the trainer saves it and stops with one line naming the step."""
