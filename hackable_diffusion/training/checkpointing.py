@@ -49,6 +49,7 @@ def _one_line(e: BaseException) -> str:
 
 # ---- quiet failure paths ----------------------------------------------------------------------------------------
 _ORBAX_DIR = os.path.dirname(ocp.__file__)
+TRASH_DIR = "deleted"  # checkpoints/deleted/: old steps on their way out (never a step: not a number)
 _QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
 
 
@@ -128,13 +129,21 @@ class Checkpointer:
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"{self.directory}: no checkpoint directory (has this workdir been trained?)")
     # read_only: nothing is created, cleaned or deleted (orbax's own read_only option only adds log warnings)
+    # Old steps (max_to_keep) are renamed into TRASH_DIR (one atomic rename) and purged from there: deleting them in
+    # place would leave a half-deleted step under its final name if the process were killed mid-delete.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=async_save,
-        create=not read_only, cleanup_tmp_directories=not read_only)
+        create=not read_only, cleanup_tmp_directories=not read_only, todelete_subdir=TRASH_DIR)
     try:
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
     except Exception as e:  # noqa: BLE001 - orbax raises many types; the user needs one line
       raise CheckpointError(f"{self.directory}: cannot open checkpoints ({_one_line(e)})") from None
+    self._purge_trash()
+
+  def _purge_trash(self) -> None:
+    """Deletes the steps orbax moved into TRASH_DIR (nothing in read-only mode; a failure is left for next time)."""
+    if not self.read_only:
+      shutil.rmtree(os.path.join(self.directory, TRASH_DIR), ignore_errors=True)
 
   # ---- queries ----------------------------------------------------------------------------------------------
   def latest_step(self) -> int | None:
@@ -273,6 +282,8 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - the background write failed
       raise self._save_failed(self._pending, e) from None
+    if self._pending is not None:
+      self._purge_trash()  # the steps this save made old
     self._set_pending(None)
 
   def close(self) -> None:

@@ -13,6 +13,7 @@ import pytest
 from hackable_diffusion.interop.hf import CheckpointError
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.training import checkpointing
 from hackable_diffusion.training.checkpointing import Checkpointer
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
 from hackable_diffusion.training.step import init_train_state
@@ -61,6 +62,27 @@ def test_retention_keeps_latest(tmp_path, state):
     ckpt.wait()
     assert ckpt.all_steps() == [3, 4]
     assert ckpt.latest_step() == 4
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["3", "4"]  # the old steps are gone, trash purged
+
+
+def test_old_steps_leave_by_an_atomic_rename(tmp_path, state, monkeypatch):
+  """Retention never leaves a half-deleted step under its final name (a kill during an in-place delete did: the
+  step kept opt/ and meta/ but lost params/, and no longer restored). Old steps are renamed into the trash dir in
+  one step, and whatever a killed process left there is purged when the directory is next opened for writing."""
+  _, st = state
+  directory = tmp_path / "ckpt"
+  purged = []
+  monkeypatch.setattr(Checkpointer, "_purge_trash", lambda self: purged.append(1))  # as if killed before purging
+  with Checkpointer(str(directory), max_to_keep=1, async_save=False) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, st, {}, wait=True)
+  trash = directory / checkpointing.TRASH_DIR
+  assert sorted(os.listdir(directory)) == ["2", checkpointing.TRASH_DIR] and os.listdir(trash) == ["1"]
+  assert sorted(os.listdir(trash / "1")) == sorted(os.listdir(directory / "2"))  # moved whole, not deleted in place
+  monkeypatch.undo()
+  with Checkpointer(str(directory), max_to_keep=1) as ckpt:
+    assert ckpt.all_steps() == [2]
+  assert sorted(os.listdir(directory)) == ["2"]
 
 
 def test_without_rest(tmp_path, state):
