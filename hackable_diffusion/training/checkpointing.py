@@ -55,10 +55,10 @@ _QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
 
 class _OrbaxFailureFilter(py_logging.Filter):
   """Drops orbax's error logs (a traceback each, many per failure, most from its background threads) and asyncio's
-  'Future exception was never retrieved' for the other writes of the same failed save, while its Checkpointer has
-  an operation in flight or after one of its saves failed - the Checkpointer reports that failure as one line -
-  unless absl logs at INFO or more (`-v 0`). One filter per Checkpointer (added at construction, removed by a
-  clean `close()`; kept after a failed save, whose late noise it still drops)."""
+  'Future exception was never retrieved' for the other reads/writes of the same failed save or restore, while its
+  Checkpointer has an operation in flight or after one of them failed - the Checkpointer reports that failure as
+  one line - unless absl logs at INFO or more (`-v 0`). One filter per Checkpointer (added at construction,
+  removed by a clean `close()`; kept after a failure, whose late noise it still drops)."""
 
   def __init__(self, checkpointer: Checkpointer):
     super().__init__()
@@ -67,7 +67,7 @@ class _OrbaxFailureFilter(py_logging.Filter):
   def filter(self, record: py_logging.LogRecord) -> bool:
     if record.levelno < py_logging.ERROR or not (record.name == "asyncio" or record.pathname.startswith(_ORBAX_DIR)):
       return True
-    return logging.get_verbosity() >= logging.INFO or not self._checkpointer.operation_failed_or_in_flight()
+    return logging.get_verbosity() >= logging.INFO or not self._checkpointer.owns_failure_log(record)
 
 
 _previous_unraisablehook = sys.unraisablehook
@@ -122,6 +122,7 @@ class Checkpointer:
     self._pending: int | None = None  # the step of an asynchronous save not yet known to be complete
     self._failed: str | None = None  # the one-line message of a failed save (close() is quiet after it)
     self._restoring = False
+    self._restore_failed = False  # a restore failed: its reads still in flight log late (the filter stays for them)
     self._log_filter = _OrbaxFailureFilter(self)
     for name in _QUIET_LOGGERS:
       py_logging.getLogger(name).addFilter(self._log_filter)
@@ -227,9 +228,18 @@ class Checkpointer:
   def _set_pending(self, step: int | None) -> None:
     self._pending = step
 
-  def operation_failed_or_in_flight(self) -> bool:
-    """Whether a save or restore is running or a save has failed (orbax's error logs then belong to it)."""
-    return self._pending is not None or self._restoring or self._failed is not None
+  def owns_failure_log(self, record: py_logging.LogRecord) -> bool:
+    """Whether an orbax/asyncio error log belongs to this checkpointer's operations: any while a save or restore
+    runs or after a save failed; after a failed restore, those that name its directory (the late 'never
+    retrieved' reads of that restore), so that other code's errors still show."""
+    if self._pending is not None or self._restoring or self._failed is not None:
+      return True
+    if not self._restore_failed:
+      return False
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+      text += str(record.exc_info[1])
+    return self.directory in text
 
   # ---- restore ------------------------------------------------------------------------------------------------
   def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
@@ -267,6 +277,7 @@ class Checkpointer:
     try:
       return self._manager.restore(step, args=args)
     except Exception as e:  # noqa: BLE001 - a damaged or mismatched checkpoint; report one line
+      self._restore_failed = True
       raise CheckpointError(
           f"{self.directory}/{step}: cannot restore this checkpoint ({_one_line(e)}); it is damaged or was "
           f"written by a different model/config - delete it to fall back to an earlier step") from None
@@ -294,7 +305,8 @@ class Checkpointer:
         self.wait()
     finally:
       self._close_manager()
-      if self._failed is None:  # after a failed save the filter stays: orbax's late noise of it is still dropped
+      if self._failed is None and not self._restore_failed:  # after a failure the filter stays: orbax's and
+        # asyncio's late noise of it (reads/writes still in flight, 'Future exception was never retrieved') is dropped
         for name in _QUIET_LOGGERS:
           py_logging.getLogger(name).removeFilter(self._log_filter)
 

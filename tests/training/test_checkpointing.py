@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -121,6 +122,42 @@ def test_errors_are_one_line(tmp_path, state):
   with Checkpointer(directory2, read_only=True) as ckpt:
     with pytest.raises(CheckpointError, match="cannot restore"):
       ckpt.restore(other)
+
+
+def test_late_asyncio_noise_of_a_failed_restore_is_dropped(tmp_path, state):
+  """A failed restore leaves tensorstore reads in flight; when their futures are collected later, asyncio logs
+  'Future exception was never retrieved' with a traceback (seen on CI after the one-line error). The checkpointer's
+  filter must keep dropping those after the restore failed and after close(); other errors (before the failure, or
+  not naming the checkpoint) still show."""
+  _, st = state
+  directory = str(tmp_path / "ckpt")
+  with Checkpointer(directory) as ckpt:
+    ckpt.save(5, st, {}, wait=True)
+  records: list[logging.LogRecord] = []
+
+  class Collect(logging.Handler):
+    def emit(self, record):
+      records.append(record)
+
+  handler = Collect(level=logging.ERROR)
+  logger = logging.getLogger("asyncio")
+  logger.addHandler(handler)
+  try:
+    with Checkpointer(directory, read_only=True) as ckpt:
+      logger.error("Future exception was never retrieved (before any failure)")
+      assert len(records) == 1  # nothing has failed: the log is someone else's and passes
+      with open(os.path.join(directory, "5", "params", "manifest.ocdbt"), "w") as f:
+        f.write("damaged\n")
+      with pytest.raises(CheckpointError, match="cannot restore"):
+        ckpt.restore(st)
+      late = ValueError(f'DATA_LOSS: Error reading "d/x" in OCDBT database at local file "{ckpt.directory}/5/params/"')
+      logger.error("Future exception was never retrieved (during)", exc_info=(ValueError, late, None))
+    logger.error("Future exception was never retrieved (after close)", exc_info=(ValueError, late, None))
+    logger.error("an unrelated error after the failure")  # not the checkpoint's: it still shows
+    assert [r.getMessage() for r in records] == ["Future exception was never retrieved (before any failure)",
+                                                 "an unrelated error after the failure"]
+  finally:
+    logger.removeHandler(handler)
 
 
 def test_partial_save_left_by_a_crash_is_ignored(tmp_path, state):
