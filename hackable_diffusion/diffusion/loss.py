@@ -35,6 +35,7 @@ from hackable_diffusion import specs
 from hackable_diffusion.data.sft import SFTBatch, num_valid_canvases
 from hackable_diffusion.diffusion import corruption
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,10 @@ class LossConfig:
     (`Factory()` returns a `LossTerm`). schedule: the keep-probability schedule ('linear', 'cosine'). time_eps: `t ~
     U(eps, 1 - eps)`. self_conditioning_prob: per-example probability of a self-conditioned second pass.
     encoder_ar_weight: weight of the encoder's next-token loss (0: the last canvas is not encoded).
+    logits_tile_mib: the most fp32 logits (MiB) alive at once in the loss: the diffusion term, the encoder's
+    next-token term and the self-conditioning input are computed over tiles of positions of at most this size (see
+    `hackable_diffusion.model.head`); 0 = never tile. The default, 256 MiB, is one tile at small vocabularies (the
+    Sudoku run is unchanged) and 128 positions of a batch of 2 at the released 262,144 (docs/scaling.md).
   """
 
   variant: str = "flat"
@@ -52,6 +57,7 @@ class LossConfig:
   time_eps: float = 1e-4
   self_conditioning_prob: float = 0.5
   encoder_ar_weight: float = 1.0
+  logits_tile_mib: float = 256.0
 
   def __post_init__(self):
     get_loss_term(self.variant)
@@ -65,6 +71,8 @@ class LossConfig:
       raise ConfigError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
     if self.encoder_ar_weight < 0:
       raise ConfigError(f"diffusion.encoder_ar_weight={self.encoder_ar_weight}; expected >= 0")
+    if not self.logits_tile_mib >= 0:
+      raise ConfigError(f"diffusion.logits_tile_mib={self.logits_tile_mib}; expected >= 0 (0 = no tiling)")
 
   @property
   def term(self) -> LossTerm:
@@ -175,6 +183,37 @@ def uniform_elbo_integrand(logits: jax.Array, clean: jax.Array, noisy: jax.Array
   return (beta[:, None] / v) * total
 
 
+@dataclasses.dataclass
+class TiledLogits:
+  """The decoder's logits `[B, C, V]` held as final hidden states `[B, C, H]` + the tied head, computed one tile of
+  positions at a time on demand (`hackable_diffusion.model.head`), so a term never needs all of them at once.
+
+  `cross_entropy(targets)` is computed once per targets array and shared (the loss and the accuracy metrics use it).
+  """
+
+  hidden: jax.Array  # [B, C, H]
+  embed: jax.Array  # [V, H]
+  spec: head.HeadSpec
+  _memo: list = dataclasses.field(default_factory=list)
+
+  def cross_entropy(self, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """targets [B, C] -> (CE [B, C] fp32, argmax [B, C] int32)."""
+    for seen, out in self._memo:
+      if seen is targets:
+        return out
+    out = head.cross_entropy(self.hidden, self.embed, targets, self.spec)
+    self._memo.append((targets, out))
+    return out
+
+  def positionwise(self, fn: Callable[..., jax.Array], *per_position: jax.Array) -> jax.Array:
+    """`fn(logits [B, l, V], *tiles of per_position [B, l]) -> [B, l]` over tiles -> [B, C]."""
+    return head.positionwise(fn, self.hidden, self.embed, self.spec, *per_position)
+
+  def materialize(self) -> jax.Array:
+    """All logits [B, C, V] fp32 at once (for a term without a tiled form)."""
+    return head.logits(self.hidden, self.embed, self.spec)
+
+
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of `values` over the True positions of `mask` (same shape) -> scalar; 0 for an empty mask."""
   mask = mask.astype(jnp.float32)
@@ -195,12 +234,23 @@ class LossTerm(Protocol):
     ...
 
 
+class TiledLossTerm(LossTerm, Protocol):
+  """A `LossTerm` that can also be computed from `TiledLogits` (the loss then never holds `[B, C, V]` logits when
+  the vocabulary is large; a term without `tiled` gets `TiledLogits.materialize()` there)."""
+
+  def tiled(self, logits: TiledLogits, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    ...
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatCrossEntropy:
   """'flat': mean cross-entropy over every free position of the canvas, corrupted or not, no 1/t weight."""
 
   def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
     return masked_mean(cross_entropy(logits, noise.clean), noise.free)
+
+  def tiled(self, logits: TiledLogits, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    return masked_mean(logits.cross_entropy(noise.clean)[0], noise.free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +260,9 @@ class CorruptedCrossEntropy:
   def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
     return masked_mean(cross_entropy(logits, noise.clean), noise.free & noise.corrupted)
 
+  def tiled(self, logits: TiledLogits, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    return masked_mean(logits.cross_entropy(noise.clean)[0], noise.free & noise.corrupted)
+
 
 @dataclasses.dataclass(frozen=True)
 class UniformStateELBO:
@@ -218,6 +271,13 @@ class UniformStateELBO:
   def __call__(self, logits: jax.Array, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
     integrand = uniform_elbo_integrand(logits, noise.clean, noise.noisy, schedule.alpha(noise.t),
                                        schedule.dalpha(noise.t))
+    return masked_mean(integrand, noise.free)
+
+  def tiled(self, logits: TiledLogits, noise: NoisedCanvas, schedule: corruption.Schedule) -> jax.Array:
+    per_row = lambda x: jnp.broadcast_to(x[:, None], noise.clean.shape)  # noqa: E731 - [B] -> [B, C]
+    integrand = logits.positionwise(
+        lambda z, clean, noisy, alpha, dalpha: uniform_elbo_integrand(z, clean, noisy, alpha[:, 0], dalpha[:, 0]),
+        noise.clean, noise.noisy, per_row(schedule.alpha(noise.t)), per_row(schedule.dalpha(noise.t)))
     return masked_mean(integrand, noise.free)
 
 
@@ -267,8 +327,13 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   hidden, cache = model.encode(ids, cache, mask)
   metrics: dict[str, jax.Array] = {}
   if config.encoder_ar_weight > 0:
-    ar_logits = model.lm_logits(hidden[:, prompt_len - 1: prompt_len + width - 1])  # predicts completion tokens
-    ar_loss = masked_mean(cross_entropy(ar_logits, batch.completion_ids), batch.completion_mask)
+    ar_hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # [B, W, H]: predicts the completion tokens
+    ar_spec = model.head_spec(ar_hidden.shape[0], width, config.logits_tile_mib)
+    if ar_spec.tile >= width:
+      ar_ce = cross_entropy(model.lm_logits(ar_hidden), batch.completion_ids)
+    else:
+      ar_ce = head.cross_entropy(ar_hidden, model.embed_tokens[...], batch.completion_ids, ar_spec)[0]
+    ar_loss = masked_mean(ar_ce, batch.completion_mask)
   else:
     ar_loss = jnp.zeros((), jnp.float32)
 
@@ -276,16 +341,29 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   # Slots past the last canvas's prefix (prompt + all but one canvas) are never visible to a decoder: cut them.
   dec_cache = cache.truncated(prompt_len + width - c).replace(
       length=(prompt_len + noise.canvas_index * c).astype(jnp.int32))
-  if config.self_conditioning_prob > 0:
-    first = jax.lax.stop_gradient(model.decode(noise.noisy, dec_cache))
-    logits = model.decode(noise.noisy, dec_cache, first, noise.use_sc)
+  spec = model.head_spec(noise.noisy.shape[0], c, config.logits_tile_mib)
+  schedule = corruption.get_schedule(config.schedule)
+  if spec.tile >= c:  # one tile: the logits as they are
+    if config.self_conditioning_prob > 0:
+      first = jax.lax.stop_gradient(model.decode(noise.noisy, dec_cache))
+      logits = model.decode(noise.noisy, dec_cache, first, noise.use_sc)
+    else:
+      logits = model.decode(noise.noisy, dec_cache)
+    diff_loss = config.term(logits, noise, schedule)
+    pred = jnp.argmax(logits, axis=-1)
   else:
-    logits = model.decode(noise.noisy, dec_cache)
+    embed = model.embed_tokens[...]
+    soft = None
+    if config.self_conditioning_prob > 0:
+      soft = head.soft_embeddings(model.decode_hidden(noise.noisy, dec_cache), embed, spec)
+    tiled = TiledLogits(model.decode_hidden(noise.noisy, dec_cache, soft, noise.use_sc), embed, spec)
+    term = config.term
+    diff_loss = term.tiled(tiled, noise, schedule) if hasattr(term, "tiled") else term(tiled.materialize(), noise,
+                                                                                      schedule)
+    pred = tiled.cross_entropy(noise.clean)[1]
 
   free = noise.free
-  diff_loss = config.term(logits, noise, corruption.get_schedule(config.schedule))
   loss = diff_loss + config.encoder_ar_weight * ar_loss
-  pred = jnp.argmax(logits, axis=-1)
   metrics.update(
       loss=loss,
       diffusion_loss=diff_loss,

@@ -21,6 +21,10 @@ _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _DTYPES = ("float32", "bfloat16", "float16")
 _MOE_IMPLS = ("tiled", "dense", "ragged")
+# Rematerialisation of each transformer layer in the backward pass: a `jax.checkpoint_policies` name saying which
+# intermediates of a layer are kept ('nothing_saveable': only the layer's input, everything else recomputed), or
+# 'none' (no remat: autodiff keeps every residual).
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,6 +109,7 @@ class ModelConfig:
   # expert-sorted tiles (see `layers.tiled_experts`; fastest on CPU); "dense": every expert on every token, the
   # unselected weighted 0 (shards over an `expert` mesh axis); "ragged": `jax.lax.ragged_dot` (accelerators, large E).
   moe_impl: str = "tiled"
+  remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
   # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
   # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.
   attention_structure: str | None = None
@@ -149,6 +154,8 @@ class ModelConfig:
         raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}")
     if self.moe_impl not in _MOE_IMPLS:
       raise ConfigError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
     ids = (self.pad_token_id, self.bos_token_id, *self.eos_token_ids)
     for tid in ids:
       if not 0 <= tid < self.vocab_size:

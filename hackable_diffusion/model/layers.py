@@ -282,13 +282,21 @@ def tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, dow
   return _tiles_forward(xs, first_tile, num_tiles, gate_up, down, tile, keep_pre=False)[0]
 
 
-def _tile_mlp_fwd(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, down: Array, tile: int):
+def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int):
+  # symbolic zeros: each array argument comes as (value, perturbed); frozen expert weights (LoRA) get no gradient,
+  # so their [E, 2I, H] / [E, H, I] accumulators are not even built
+  weights_trained = () if (gate_up.perturbed or down.perturbed) else None  # static in the residuals' structure
+  xs, first_tile, num_tiles, gate_up, down = (a.value for a in (xs, first_tile, num_tiles, gate_up, down))
   ys, pre = _tiles_forward(xs, first_tile, num_tiles, gate_up, down, tile, keep_pre=True)
-  return ys, (xs, first_tile, num_tiles, gate_up, down, pre)
+  return ys, (xs, first_tile, num_tiles, gate_up, down, pre, weights_trained)
 
 
 def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
-  xs, first_tile, num_tiles, gate_up, down, pre = residuals
+  xs, first_tile, num_tiles, gate_up, down, pre, weights_trained = residuals
+  if isinstance(d_ys, jax.custom_derivatives.SymbolicZero):
+    d_ys = jnp.zeros(d_ys.aval.shape, d_ys.aval.dtype)
+  if weights_trained is None:
+    return _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, gate_up, down, pre, d_ys), None, None, None, None
   acc = jnp.promote_types(gate_up.dtype, jnp.float32)  # weight gradients accumulate over tiles in fp32
 
   def expert(d_xs, inputs):
@@ -313,7 +321,25 @@ def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
   return d_xs, None, None, d_gate_up, d_down
 
 
-tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)
+def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, gate_up, down, pre, d_ys) -> Array:
+  """`_tile_mlp_bwd`'s input gradient alone (the expert weights are frozen)."""
+
+  def expert(d_xs, inputs):
+    w_gate_up, w_down, first, count = inputs
+
+    def one_tile(j, d_xs):
+      start = (first + j) * tile
+      dy = jax.lax.dynamic_slice_in_dim(d_ys, start, tile)
+      act, gated_vjp = jax.vjp(_gated, jax.lax.dynamic_slice_in_dim(pre, start, tile))
+      (d_pre,) = gated_vjp((dy @ w_down).astype(act.dtype))
+      return jax.lax.dynamic_update_slice_in_dim(d_xs, (d_pre @ w_gate_up).astype(d_xs.dtype), start, 0)
+
+    return jax.lax.fori_loop(0, count, one_tile, d_xs), None
+
+  return jax.lax.scan(expert, jnp.zeros_like(xs), (gate_up, down, first_tile, num_tiles))[0]
+
+
+tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd, symbolic_zeros=True)
 
 
 def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,

@@ -8,14 +8,16 @@ self-conditioning MLP on its input. Logits are computed by the tied embedding in
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import layers, structure
+from hackable_diffusion.model import head, layers, remat, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -25,6 +27,30 @@ _RESIDUAL = ("batch", None, None)  # residual stream [B, L, H]: sharded over the
 
 def _dtype(name: str):
   return jnp.dtype(name)
+
+
+def _remat(fn: Callable, policy: str) -> Callable:
+  """`fn(layer, ...)` rematerialised per `ModelConfig.remat` (identity for 'none').
+
+  'nothing_saveable' keeps only the layer's inputs (`remat.recompute_in_backward`, effective on every backend);
+  other policies are `jax.checkpoint`'s, which XLA:CPU does not honour (see `hackable_diffusion.model.remat`).
+  """
+  if policy == "none":
+    return fn
+  if policy == "nothing_saveable":
+    def run(layer, *args):
+      graphdef, state = nnx.split(layer)
+      return remat.recompute_in_backward(lambda st, *a: fn(nnx.merge(graphdef, st), *a))(state, *args)
+    return run
+  return nnx.remat(fn, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=True)
+
+
+def _encode_layer(layer: DecoderLayer, *args):
+  return layer.encode(*args)
+
+
+def _decode_layer(layer: DecoderLayer, *args):
+  return layer.decode(*args)
 
 
 class DecoderLayer(nnx.Module):
@@ -119,9 +145,19 @@ class DiffusionGemma(nnx.Module):
     cap = self.config.final_logit_softcapping
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
-  def soft_embeddings(self, logits: Array) -> Array:
-    """logits [B, C, V] -> `softmax(logits) @ embed * embed_scale` [B, C, H]."""
+  def head_spec(self, batch: int, length: int, budget_mib: float) -> head.HeadSpec:
+    """The tiling of the output head for `[batch, length]` positions within `budget_mib` MiB of fp32 logits per
+    tile (see `hackable_diffusion.model.head`); `spec.tile >= length` means one tile (use the plain path)."""
+    return head.HeadSpec(self.dtype, self.config.final_logit_softcapping,
+                         head.tile_positions(batch, length, self.config.vocab_size, budget_mib))
+
+  def soft_embeddings(self, logits: Array, tile_mib: float = 256.0) -> Array:
+    """logits [B, C, V] -> `softmax(logits) @ embed * embed_scale` [B, C, H], over tiles of positions holding at
+    most `tile_mib` MiB of fp32 probabilities (one tile, the plain computation, at small vocabularies)."""
     w = self.embed_tokens[...]
+    tile = head.tile_positions(logits.shape[0], logits.shape[1], logits.shape[2], tile_mib)
+    if tile < logits.shape[1]:
+      return head.soft_embeddings_of_logits(logits, w, self.dtype, tile)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(w.dtype)
     scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype).astype(self.dtype)
     soft = (layers.tokens_2d(probs) @ w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
@@ -159,9 +195,10 @@ class DiffusionGemma(nnx.Module):
     rope = self._rope(positions)
     x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
     keys, values = list(cache.keys), list(cache.values)
+    run = _remat(_encode_layer, self.config.remat)
     for i, layer in enumerate(self.layers):
       t = self.config.layer_types[i]
-      x, keys[i], values[i] = layer.encode(x, *rope[t], keys[i], values[i], start, masks[t])
+      x, keys[i], values[i] = run(layer, x, *rope[t], keys[i], values[i], start, masks[t])
       x = sharding.constrain(x, _RESIDUAL)
     new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
     return self.norm(x), new_cache
@@ -175,12 +212,21 @@ class DiffusionGemma(nnx.Module):
     canvas_attention_mask [B|1, N|1, C, C] bool: optional task structure restricting canvas-to-canvas attention
     (not part of the reference architecture; see `hackable_diffusion.model.structure`).
     """
+    soft = None if self_conditioning_logits is None else self.soft_embeddings(self_conditioning_logits)
+    return self.lm_logits(self.decode_hidden(canvas, cache, soft, self_conditioning_mask, canvas_attention_mask))
+
+  def decode_hidden(self, canvas: Array, cache: KVCache, self_conditioning_embeddings: Array | None = None,
+                    self_conditioning_mask: Array | None = None, canvas_attention_mask: Array | None = None) -> Array:
+    """`decode` up to the final norm: hidden states [B, C, H] (logits = `lm_logits` of them).
+
+    self_conditioning_embeddings [B, C, H]: `soft_embeddings` of the previous logits (None: zeros, SC off).
+    """
     b, c = canvas.shape
     x = self.embed(canvas)
-    if self_conditioning_logits is None:
+    if self_conditioning_embeddings is None:
       soft = jnp.zeros_like(x)
     else:
-      soft = self.soft_embeddings(self_conditioning_logits)
+      soft = self_conditioning_embeddings.astype(x.dtype)
       if self_conditioning_mask is not None:
         soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
     x = sharding.constrain(self.self_conditioning(x, soft), _RESIDUAL)
@@ -192,11 +238,12 @@ class DiffusionGemma(nnx.Module):
         SLIDING: decoder_prefix_mask(cache.valid, cache.length, self.config.sliding_window),
         FULL: decoder_prefix_mask(cache.valid, cache.length, None),
     }
+    run = _remat(_decode_layer, self.config.remat)
     for i, layer in enumerate(self.layers):
       t = self.config.layer_types[i]
-      x = layer.decode(x, *rope[t], cache.keys[i], cache.values[i], prefix[t], canvas_attention_mask)
+      x = run(layer, x, *rope[t], cache.keys[i], cache.values[i], prefix[t], canvas_attention_mask)
       x = sharding.constrain(x, _RESIDUAL)
-    return self.lm_logits(self.norm(x))
+    return self.norm(x)
 
   def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
                self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None) -> Array:
@@ -226,8 +273,18 @@ def init_model(config: ModelConfig, seed: int = 0) -> DiffusionGemma:
   return nnx.merge(graphdef, make())
 
 
-@nnx.jit
 def forward(model: DiffusionGemma, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
             self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None) -> Array:
-  """`model(...)` compiled (one compilation per input shape)."""
-  return model(input_ids, decoder_input_ids, attention_mask, self_conditioning_logits, self_conditioning_mask)
+  """`model(...)` compiled (one compilation per model graph and input shape).
+
+  A `jax.jit` over the model's split state: `nnx.jit` would also return the (unchanged) state, i.e. write a copy of
+  every parameter per call (measured: +1.16 GB per call of a 1.14 GB model).
+  """
+  graphdef, state = nnx.split(model)
+  return _forward(graphdef, state, input_ids, decoder_input_ids, attention_mask, self_conditioning_logits,
+                  self_conditioning_mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, *args):
+  return nnx.merge(graphdef, state)(*args)

@@ -80,10 +80,14 @@ def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float)
   return diff, ar, diff + ar_weight * ar
 
 
-@pytest.mark.parametrize("variant,ar_weight", [("flat", 0.7), ("corrupted", 0.7), ("flat", 0.0)])
-def test_loss_equals_transformers_computation(setup, variant, ar_weight):
+# tile_mib=1e-6: one position per tile (the vocabulary-tiled head, hackable_diffusion.model.head); 0: untiled
+@pytest.mark.parametrize("variant,ar_weight,tile_mib", [("flat", 0.7, 0.0), ("corrupted", 0.7, 0.0), ("flat", 0.0, 0.0),
+                                                         ("flat", 0.7, 1e-6), ("corrupted", 0.7, 1e-6)])
+def test_loss_equals_transformers_computation(setup, variant, ar_weight, tile_mib):
   ref, ours, batch = setup
-  config = LossConfig(variant=variant, self_conditioning_prob=0.5, encoder_ar_weight=ar_weight)
+  config = LossConfig(variant=variant, self_conditioning_prob=0.5, encoder_ar_weight=ar_weight,
+                      logits_tile_mib=tile_mib)
+  assert (ours.head_spec(4, C, tile_mib).tile == 1) == (tile_mib > 0)
   key = jax.random.key(3)
   noise = draw_noise(key, batch, C, 64, config)
   # the draw exercises several canvases, both self-conditioning branches, and corrupted + clean positions
