@@ -70,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
       time_eps=1e-4,
       self_conditioning_prob=0.5,
       encoder_ar_weight=0.0,  # one canvas: the AR term would only double the encoder's cost (README table)
+      logits_tile_mib=256.0,  # most fp32 logits (MiB) alive at once in the loss; 0 = untiled
   ))
 
   # A small model trained from scratch takes a much larger learning rate than the fine-tuning recipe.
@@ -84,6 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
       eps=1e-8,
       weight_decay=0.0,
       clip_norm=1.0,
+      master_weights="auto",  # fp32 master + Adam moments for full fine-tuning of a bf16 model
   ))
 
   config.train = ml_collections.ConfigDict(dict(

@@ -3,7 +3,9 @@
   python -m hackable_diffusion.evaluate --workdir=runs/tiny [--step=N] [--config=configs/tiny.py]
       [--config.eval.num_examples=512 --config.eval.step_budgets="(8,16,32)" ...]
 
-Without --config the run's own workdir/config.json is used (overrides still apply). Writes
+Without --config the run's own workdir/config.json is used (overrides still apply). A run with a `mesh` section
+is evaluated on that mesh (`--config.mesh.fsdp=...` to change it): the model is restored straight into its shards
+and sampled there (see docs/scaling.md); multi-host, every process runs this command and process 0 writes. Writes
 workdir/eval/report_step_{N}.json and workdir/eval/accuracy_vs_steps_step_{N}.png and prints a summary. The
 output directory is checked for writability first: a read-only run is a one-line error before evaluating (pass
 --out=DIR to write elsewhere).
@@ -34,14 +36,22 @@ def main(argv: list[str]) -> None:
   from hackable_diffusion.evaluation import loop
   from hackable_diffusion.training import run as run_lib
   from hackable_diffusion.training import workdir as workdir_lib
+  from hackable_diffusion.training.logging import is_main_process
 
   out_dir = _OUT.value or os.path.join(_WORKDIR.value, run_lib.EVAL_DIR)
   # the report is written at the end: a read-only run (or --out) is a one-line error now, not after evaluating
   workdir_lib.check_writable_dir(out_dir, what="--out directory" if _OUT.value else "eval directory",
                                  hint="" if _OUT.value else "pass --out=DIR to write the report elsewhere")
-  run = run_lib.load_run(_WORKDIR.value, flags.FLAGS.config, _STEP.value)
+  cfg = run_lib.as_experiment_config(flags.FLAGS.config)
+  # the run's mesh (its `mesh` section; joins a multi-host job first): the model is restored into its shards and
+  # sampled there, never whole on one device; none (the default section): one device
+  mesh = run_lib.make_run_mesh(cfg)
+  run = run_lib.load_run(_WORKDIR.value, cfg, _STEP.value, mesh=mesh)
   data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
-  report = run_lib.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step, out_dir=out_dir)
+  report = run_lib.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step,
+                                  out_dir=out_dir if is_main_process() else None, mesh=mesh)
+  if not is_main_process():
+    return
   print(f"step {run.step}, task {report['task']}, {report['num_examples']} examples:")
   for line in loop.summary_lines(report):
     print(line)

@@ -6,6 +6,13 @@ setting of transformers' `generate`). Every run decodes the completions, scores 
 records the mean denoising steps per canvas and tokens per forward (REFERENCE §4: "accuracy at 32 / 64 / 96
 denoising steps and with early stopping; mean denoising steps per canvas").
 
+With `mesh=` every `generate` call samples on that device mesh: the model's variables stay in the shardings they
+have (a train state's training shardings; nothing is gathered onto one device), and each batch of `eval.batch_size`
+examples (padded to a multiple of the mesh's batch shards, data x fsdp x expert, by repeating its first row) is
+split over the batch axes. Every process runs the same programs on the same (whole) evaluation data; only the
+generated tokens come back to the host. The results are those of one device: a row's random draws depend on the
+key and the row only (threefry's partitionable bits), not on the batch it is padded into.
+
 Outputs: `<out_dir>/report_step_{N}.json`, `<out_dir>/accuracy_vs_steps_step_{N}.png` and, for tasks that can
 draw it (Sudoku), `<out_dir>/canvas_step_{N}.png`: the first example's canvas converging step by step.
 """
@@ -21,7 +28,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import DataError
@@ -102,6 +111,14 @@ def eval_runs(eval_cfg: Any, max_new_tokens: int) -> list[EvalRun]:
   return runs
 
 
+def batch_rows(batch_size: int, num_examples: int, mesh: Mesh | None = None) -> int:
+  """Rows of every generated batch: `batch_size` (at most the number of examples), rounded up to a multiple of
+  the mesh's batch shards (data x fsdp x expert) so that the batch splits over them."""
+  rows = max(1, min(batch_size, num_examples))
+  shards = 1 if mesh is None else sharding_lib.num_batch_shards(mesh)
+  return -(-rows // shards) * shards
+
+
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   if x.shape[0] == rows:
     return x
@@ -137,27 +154,32 @@ def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: Sa
 
 
 def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
-                     rng: jax.Array) -> list[str]:
-  """The first example's argmax canvas after every denoising step, decoded (batch 1, the task's sampler hooks).
-  Steps after the row stopped are not repeated: the list has one entry per step the sampler took."""
+                     rng: jax.Array, mesh: Mesh | None = None) -> list[str]:
+  """The first example's argmax canvas after every denoising step, decoded (batch 1 - on a mesh padded to its
+  batch shards -, the task's sampler hooks). Steps after the row stopped are not repeated: the list has one entry
+  per step the sampler took."""
   canvas = sampling.canvas_length or model.config.canvas_length
+  rows = batch_rows(1, 1, mesh)
   kwargs: dict[str, Any] = {}
   seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(0, 1), 0)
   if seeded is not None:  # the first canvas only
-    kwargs.update(seed_canvas=np.asarray(seeded[0])[:, :canvas], pinned=np.asarray(seeded[1])[:, :canvas])
-  out = generate(model, data.records.prompt_ids[:1], sampling.replace(max_new_tokens=canvas), rng=rng,
-                 attention_mask=data.records.prompt_mask[:1], allowed_token_ids=task.allowed_token_ids(tokenizer),
-                 return_trajectory=True, **kwargs)
+    kwargs.update(seed_canvas=_pad_rows(np.asarray(seeded[0])[:, :canvas], rows),
+                  pinned=_pad_rows(np.asarray(seeded[1])[:, :canvas], rows))
+  out = generate(model, _pad_rows(data.records.prompt_ids[:1], rows), sampling.replace(max_new_tokens=canvas),
+                 rng=rng, attention_mask=_pad_rows(data.records.prompt_mask[:1], rows),
+                 allowed_token_ids=task.allowed_token_ids(tokenizer), return_trajectory=True, mesh=mesh, **kwargs)
   taken = int(np.asarray(out.denoising_steps)[0, 0])
   frames = np.asarray(out.trajectory)[0, :taken, 0]  # [steps, C]
   return [tokenizer.decode(f) for f in frames]
 
 
 def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
-                   batch_size: int, rng: jax.Array) -> tuple[list[str], dict[str, float]]:
+                   batch_size: int, rng: jax.Array, mesh: Mesh | None = None) -> tuple[list[str], dict[str, float]]:
   """Generates a completion for every example; returns the decoded texts and sampler statistics.
 
-  Batches are padded to `batch_size` (repeating the first row) so one compiled program serves all of them.
+  Batches of `batch_size` examples are padded to `batch_rows(batch_size, n, mesh)` rows (repeating the first row)
+  so one compiled program serves all of them; with `mesh` they are split over its batch axes (see the module
+  docstring).
   Start canvases: the task's `seed_canvas` hook, else the data's pinned completion tokens (`pinned_field`), else
   uniform noise.
   """
@@ -165,11 +187,12 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
   width = prompt_ids.shape[1]
   allowed = task.allowed_token_ids(tokenizer)
-  bs = min(batch_size, n)
+  per = min(batch_size, n)  # examples per batch: the same batches (and keys) with and without a mesh
+  bs = batch_rows(batch_size, n, mesh)  # rows per batch: `per`, on a mesh rounded up to its batch shards
   texts: list[str] = []
   steps_per_canvas, tpf = [], []
-  for b, start in enumerate(range(0, n, bs)):
-    sl = slice(start, min(start + bs, n))
+  for b, start in enumerate(range(0, n, per)):
+    sl = slice(start, min(start + per, n))
     rows = sl.stop - sl.start
     kwargs: dict[str, Any] = {}
     seeded = _start_canvas(model, tokenizer, data, sampling, task, sl, b)
@@ -177,7 +200,7 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
       seed_ids, pinned = seeded
       kwargs.update(seed_canvas=_pad_rows(np.asarray(seed_ids), bs), pinned=_pad_rows(np.asarray(pinned), bs))
     out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=jax.random.fold_in(rng, b),
-                   attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, **kwargs)
+                   attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, mesh=mesh, **kwargs)
     seqs = np.asarray(out.sequences)[:rows, width:]
     texts += [tokenizer.decode(s) for s in seqs]
     steps = np.asarray(out.denoising_steps)[:rows]
@@ -190,8 +213,13 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
 
 def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task, runs: Sequence[EvalRun], *,
                    batch_size: int, seed: int = 0, step: int | None = None, out_dir: str | None = None,
-                   num_samples: int = 8, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+                   num_samples: int = 8, log: Callable[[str], Any] | None = None,
+                   mesh: Mesh | None = None) -> dict[str, Any]:
   """Runs every sampler setting, scores it with `task`, and (with `out_dir`) writes the report and plot.
+
+  `mesh`: sample on that device mesh (see the module docstring). Multi-host: every process calls this with the
+  same arguments but `out_dir` (None on the processes that write nothing); they run the same programs, the
+  trajectory's included.
 
   Returns the report: `{'step', 'task', 'primary_metric', 'num_examples', 'runs': [{'name',
   'max_denoising_steps', 'early_stopping', 'metrics', 'mean_denoising_steps', 'tokens_per_forward',
@@ -206,7 +234,8 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
   for run in runs:
     t0 = time.perf_counter()
     run_task = run.task or task
-    texts, stats = generate_texts(model, tokenizer, data, run.sampling, run_task, batch_size=batch_size, rng=rng)
+    texts, stats = generate_texts(model, tokenizer, data, run.sampling, run_task, batch_size=batch_size, rng=rng,
+                                  mesh=mesh)
     metrics = {k: float(v) for k, v in run_task.metrics(texts, data.examples).items()}
     seconds = time.perf_counter() - t0
     report["runs"].append({"name": run.name, "max_denoising_steps": run.sampling.max_denoising_steps,
@@ -220,10 +249,12 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
   report["samples"] = [{"prompt": e.prompt, "target": e.completion, "prediction": p}
                        for e, p in zip(data.examples[:num_samples], samples[:num_samples])]
   main_runs = [r for r in runs if r.ablation is None]
-  if out_dir is not None and main_runs:
+  # on a mesh every process samples the trajectory (a collective program), whether or not it writes the report
+  if (out_dir is not None or mesh is not None) and main_runs:
     # the first example's canvas after every step of the last main run (early stopping by default)
     run = main_runs[-1]
-    steps = trajectory_texts(model, tokenizer, data, run.sampling, task, rng=jax.random.fold_in(rng, 1_000_003))
+    steps = trajectory_texts(model, tokenizer, data, run.sampling, task, rng=jax.random.fold_in(rng, 1_000_003),
+                             mesh=mesh)
     report["trajectory"] = {"run": run.name, "prompt": data.examples[0].prompt,
                             "target": data.examples[0].completion, "steps": steps}
   if out_dir is not None:
@@ -302,5 +333,5 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "ablation_runs",
-           "eval_runs", "generate_texts", "trajectory_texts",
+           "batch_rows", "eval_runs", "generate_texts", "trajectory_texts",
            "load_eval_data", "plot_report", "run_evaluation", "summary_lines", "write_report"]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.sampling import programs
@@ -123,12 +123,15 @@ def generate(
   encode = programs.encode_program(graphdef, p.mesh)
   denoise = programs.denoise_program(graphdef, p.static, p.mesh)
   place, to_host = _placement(p.mesh)
-  if p.mesh is not None:
-    state = jax.device_put(state, sharding_lib.state_shardings(p.mesh, state))
-  cache = model.init_cache(p.batch, p.cache_capacity)
-  if p.mesh is not None:  # every cache array is [batch, ...]
-    cache = place(cache)
-  key = p.rng if p.mesh is None else jax.device_put(p.rng, sharding_lib.replicated(p.mesh))
+  if p.mesh is None:
+    cache = model.init_cache(p.batch, p.cache_capacity)
+    key = p.rng
+  else:
+    state = place_state(state, p.mesh)
+    # created in its shards (every cache array is [batch, ...]): never whole on one device
+    cache = _empty_in_shards(jax.eval_shape(lambda: model.init_cache(p.batch, p.cache_capacity)),
+                             sharding_lib.batch_sharding(p.mesh))
+    key = _replicated_key(p.rng, p.mesh)
   allowed = place(p.allowed) if p.allowed is not None else jnp.ones((1, 1), bool)
   structure = p.structure if p.structure is not None else jnp.ones((1, 1, 1, 1), bool)
 
@@ -199,6 +202,48 @@ def _output(p: Prepared, blocks: list[np.ndarray], step_counts: list[np.ndarray]
   )
 
 
+def place_state(state: Any, mesh: Mesh) -> Any:
+  """The model's variables on `mesh`: an array already sharded over this mesh (a train state in its training
+  shardings, `sharding.shard_model`) stays as it is - never gathered, never resharded; any other array is placed
+  by the logical-axis rules (`sharding.state_shardings`)."""
+  targets = sharding_lib.state_shardings(mesh, state)
+
+  def one(x: Any, target: Any) -> Any:
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, target)
+
+  return jax.tree.map(one, state, targets)
+
+
+def _empty_in_shards(shapes: Any, sharding: NamedSharding) -> Any:
+  """Zeros of every `ShapeDtypeStruct` of `shapes` (an empty KV cache), each device writing only its own shard."""
+
+  def one(x: jax.ShapeDtypeStruct) -> Array:
+    shard = np.zeros(sharding.shard_shape(x.shape), x.dtype)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: shard)
+
+  return jax.tree.map(one, shapes)
+
+
+def _replicated_key(rng: Array, mesh: Mesh) -> Array:
+  """The PRNG key replicated over the mesh (its raw data placed like any host value, so multi-host safe)."""
+  if isinstance(rng, jax.Array) and isinstance(rng.sharding, NamedSharding) and rng.sharding.mesh == mesh:
+    return rng
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  data = np.asarray(jax.random.key_data(rng) if typed else rng)
+  placed = _put(data, sharding_lib.replicated(mesh))
+  return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(rng)) if typed else placed
+
+
+def _put(x: Any, sharding: NamedSharding) -> Array:
+  """A host value (the same on every process) as a global array of `sharding`; each device gets only its slice."""
+  x = np.asarray(x)
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def _activations(mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
   """Traced under it, the model's `sharding.constrain` calls pin activations to the mesh."""
   return sharding_lib.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
@@ -208,11 +253,15 @@ def _placement(mesh: Mesh | None) -> tuple[Callable[[Any], Any], Callable[[Array
   """`(place, to_host)`: puts a `[batch, ...]` array (or pytree) on the device(s), and reads a result back.
 
   One device: `jnp.asarray` and the identity. A mesh (checked by `prepare`): split along the batch over its batch
-  axes, and results gathered from every process.
+  axes (host values, the same on every process: each device receives only its rows), and results - the small
+  token / step-count outputs - gathered to the host from every process.
   """
   if mesh is None:
     return jnp.asarray, lambda x: x
   batch_sharding = sharding_lib.batch_sharding(mesh)
+
+  def place(tree: Any) -> Any:
+    return jax.tree.map(lambda x: _put(x, batch_sharding), tree)
 
   def to_host(x: Array) -> Any:
     if x.is_fully_addressable:
@@ -221,7 +270,8 @@ def _placement(mesh: Mesh | None) -> tuple[Callable[[Any], Any], Callable[[Array
 
     return multihost_utils.process_allgather(x, tiled=True)
 
-  return (lambda tree: jax.device_put(tree, batch_sharding)), to_host
+  return place, to_host
 
 
-__all__ = ["DenoiseState", "GenerateOutput", "StepInfo", "clear_cache", "commit_canvas", "generate", "trace_counts"]
+__all__ = ["DenoiseState", "GenerateOutput", "StepInfo", "clear_cache", "commit_canvas", "generate", "place_state",
+           "trace_counts"]

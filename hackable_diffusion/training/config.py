@@ -10,7 +10,8 @@ starts (before any data is read or any step runs):
   tokenizer  path ('train' = a char model trained on the data, saved as workdir/tokenizer.model), model_type
   data       generator (+ generator_args) | train_path / validation_path, fields, chat_template, lengths
   diffusion  -> `diffusion.loss.LossConfig` (loss_variant, schedule, time_eps, self_conditioning_prob, ...)
-  optimizer  -> `training.optimizer.OptimizerConfig`
+  optimizer  -> `training.optimizer.OptimizerConfig` (schedule, Adam, clipping; master_weights: float32 masters of
+             a bfloat16 model's trainable variables, 'auto' = on for full fine-tuning, off under LoRA)
   train      steps, batch_size, grad_accum_steps, seed, log_every, checkpoint_every, keep_checkpoints, eval_every
   eval       task (+ task_args), split, num_examples, batch_size, step_budgets, early_stopping_steps, ablations;
              eval.sampling -> `sampling.config.SamplingConfig` (the sampler of every evaluation run)
@@ -182,6 +183,8 @@ class EvalSection:
     else 'text': exact match and character accuracy). task_args: its keyword arguments ('' task with a data
     generator reuses generator_args).
   split: 'validation', 'test' (generated data) or 'train'. num_examples: examples evaluated (the first ones).
+  batch_size: examples per `generate` call; on a mesh each batch is padded to a multiple of its batch shards
+    (data x fsdp x expert) and split over them (same tokens as one device).
   step_budgets: one run per budget with `max_denoising_steps=N`, early stopping off. early_stopping_steps: the step
     cap of the early-stopping run. max_new_tokens: 0 = the data's completion capacity (max_canvases * canvas).
   sampling: the sampler of every run (`SamplingConfig`: entropy_bound, t_min, t_max, stability_threshold,

@@ -275,30 +275,42 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
 
 
 def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data: eval_loop.EvalData, *,
-                   step: int, out_dir: str | None, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
-  """Runs the configured evaluation (every step budget + early stopping) and writes the report/plot."""
+                   step: int, out_dir: str | None, log: Callable[[str], Any] | None = None,
+                   mesh: Mesh | None = None) -> dict[str, Any]:
+  """Runs the configured evaluation (every step budget + early stopping) and writes the report/plot.
+
+  `mesh`: sample on the run's mesh with the model's variables where they are (a train state's shardings; see
+  `evaluation.loop`), batches of `eval.batch_size` examples split over its batch axes. Multi-host: every process
+  calls it (`out_dir` None where nothing is written)."""
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
   runs = eval_loop.eval_runs(cfg.eval, max_new)
   runs += eval_loop.ablation_runs(cfg.eval, max_new, lambda overrides: eval_task(cfg, overrides))
   return eval_loop.run_evaluation(model, tokenizer, data, eval_task(cfg), runs, batch_size=cfg.eval.batch_size,
                                   seed=cfg.eval.seed, step=step, out_dir=out_dir, num_samples=cfg.eval.num_samples,
-                                  log=log)
+                                  log=log, mesh=mesh)
 
 
 # ---- a trained run ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LoadedRun:
-  """A trained model restored from a workdir (for evaluation, sampling and export)."""
+  """A trained model restored from a workdir (for evaluation, sampling and export); `mesh`: the mesh its variables
+  were restored onto (None: one device)."""
 
   config: ExperimentConfig
   model: nnx.Module
   tokenizer: Tokenizer
   step: int
   paths: dict[str, str]
+  mesh: Mesh | None = None
 
 
-def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = None) -> LoadedRun:
-  """Restores the model of checkpoint `step` (default: latest) of `workdir`, without optimizer state."""
+def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = None, *,
+             mesh: Mesh | None = None) -> LoadedRun:
+  """Restores the model of checkpoint `step` (default: latest) of `workdir`, without optimizer state.
+
+  `mesh` (e.g. `make_run_mesh(cfg)`, the run's own mesh): every variable is restored straight into its shards by
+  the logical-axis rules, as training holds it (whatever mesh wrote the checkpoint); None: whole on one device.
+  """
   if not os.path.isdir(workdir):
     raise CheckpointError(f"{workdir}: no such workdir")
   if config is None:
@@ -313,8 +325,14 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
     has_rest = meta.get("has_rest", True)
     abstract, trainable = build_abstract_model(cfg, model_config)
     graphdef, params, rest = nnx.split(abstract, trainable, ...)
+    if mesh is not None:  # restore targets carrying this mesh's shardings
+      params = sharding.abstract_with_shardings(params, sharding.state_shardings(mesh, params))
+      if has_rest:
+        rest = sharding.abstract_with_shardings(rest, sharding.state_shardings(mesh, rest))
     if not has_rest:  # LoRA on a pretrained base: the frozen weights come from the base checkpoint, not ours
-      _, rest = nnx.split(apply_lora(cfg, build_model(cfg, model_config))[0], trainable, ...)[1:]
+      _, rest = nnx.split(apply_lora(cfg, build_model(cfg, model_config, mesh=mesh))[0], trainable, ...)[1:]
+      if mesh is not None:
+        rest = sharding.shard_state(rest, sharding.state_shardings(mesh, rest))
     params, restored_rest, _ = ckpt.restore_variables(params, rest if has_rest else None, step)
   finally:
     ckpt.close()
@@ -324,7 +342,7 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
     paths = data_paths(cfg, workdir)
   except (ConfigError, DataError) as e:
     logging.warning("data of this run is not available: %s", e)
-  return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths)
+  return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths, mesh=mesh)
 
 
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "build_abstract_model",

@@ -9,6 +9,23 @@ On a device mesh (`hackable_diffusion.sharding`) the same step is jitted with ex
   graphdef, state, shardings = init_train_state_sharded(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)), tx, mesh)
   step = make_train_step(graphdef, tx, loss_config, mesh=mesh, shardings=shardings)
   state, metrics = step(state, shard_batch(batch, mesh), key)
+
+Master weights (mixed precision for full fine-tuning of a bfloat16 model): `init_train_state(..., master_dtype=
+'float32')` keeps the trainable variables in the state as a float32 copy (`master_params`) and creates the optimizer
+state from it, so Adam's moments are float32; `make_train_step(..., param_dtypes=model_params)` casts that copy to
+the dtypes the model stores (`cast_params`, bfloat16) for the forward/backward and applies the update to the
+float32 copy. The gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in
+float32 with the bfloat16 backward pass's values (rounded to bfloat16 they are bit-identical; XLA may keep a last
+operation's float32 result), and gradient accumulation, clipping and Adam run in float32; an update smaller than
+half a bfloat16 unit in the last place accumulates in the master instead of being rounded away.
+
+  model_params = nnx.state(model, nnx.Param)          # only the dtypes are read
+  graphdef, state = init_train_state(model, tx, master_dtype="float32")
+  step = make_train_step(graphdef, tx, loss_config, param_dtypes=model_params)
+  model = state_to_model(graphdef, state, model_params)   # the model in its own dtype (bfloat16)
+
+Checkpoints of such a state hold the float32 master (and float32 moments); restoring only the variables into the
+model's own dtypes (`Checkpointer.restore_variables`, `run.load_run`) rounds them to bfloat16.
 """
 
 from __future__ import annotations
@@ -40,9 +57,45 @@ class TrainState:
   opt_state: Any
 
 
-def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
-                     trainable: Any = nnx.Param) -> tuple[nnx.GraphDef, TrainState]:
+def master_params(params: Any, dtype: Any = "float32") -> Any:
+  """The master copy of trainable variables: every floating leaf stored in fewer bits than `dtype` as `dtype`
+  (arrays, or ShapeDtypeStructs for an abstract state); the other leaves as they are."""
+  dtype = jnp.dtype(dtype)
+
+  def up(x):
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits):
+      return x
+    return x.update(dtype=dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+
+  return jax.tree.map(up, params)
+
+
+def _dtypes(param_dtypes: Any) -> tuple[jnp.dtype, ...] | None:
+  """The leaf dtypes of a tree like the trainable variables (arrays, ShapeDtypeStructs or dtypes; None stays None)."""
+  if param_dtypes is None:
+    return None
+  return tuple(jnp.dtype(getattr(x, "dtype", x)) for x in jax.tree.leaves(param_dtypes))
+
+
+def cast_params(params: Any, param_dtypes: Any) -> Any:
+  """`params` with each leaf cast to the dtype of the matching leaf of `param_dtypes` (a tree of the same leaves:
+  arrays, ShapeDtypeStructs, or the tuple of their dtypes); the compute copy of a master. None: `params`."""
+  if param_dtypes is None:
+    return params
+  dtypes = _dtypes(param_dtypes)
+  leaves, treedef = jax.tree.flatten(params)
+  if len(leaves) != len(dtypes):
+    raise ValueError(f"param_dtypes has {len(dtypes)} leaves, the trainable variables {len(leaves)}")
+  return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, dtypes)])
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, trainable: Any = nnx.Param,
+                     master_dtype: Any = None) -> tuple[nnx.GraphDef, TrainState]:
+  """`(graphdef, state)`; `master_dtype` (e.g. 'float32'): the state keeps the trainable variables as that master
+  copy (`master_params`) and the optimizer state is created from it (see the module docstring)."""
   graphdef, params, rest = nnx.split(model, trainable, ...)
+  if master_dtype is not None:
+    params = master_params(params, master_dtype)
   opt_state = tx.init(params)
   return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt_state)
 
@@ -61,24 +114,26 @@ def train_state_shardings(mesh: Mesh, params: nnx.State, rest: nnx.State | None,
 
 
 def init_train_state_sharded(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, *,
-                             trainable: Any = nnx.Param,
-                             rules: Rules = LOGICAL_AXIS_RULES) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+                             trainable: Any = nnx.Param, rules: Rules = LOGICAL_AXIS_RULES,
+                             master_dtype: Any = None) -> tuple[nnx.GraphDef, TrainState, TrainState]:
   """`(graphdef, state, shardings)`: a `TrainState` created directly in its shards (never whole on one device).
 
   `model_fn` builds the model (e.g. `lambda: DiffusionGemma(config, rngs=nnx.Rngs(0))`); it is traced, not run
-  eagerly, and the compiled initialiser writes each shard on its own device.
+  eagerly, and the compiled initialiser writes each shard on its own device. `master_dtype`: as in
+  `init_train_state`.
   """
   graphdef = nnx.split(nnx.eval_shape(model_fn), trainable, ...)[0]  # what init_train_state splits into
 
   def make():
-    return init_train_state(model_fn(), tx, trainable=trainable)[1]
+    return init_train_state(model_fn(), tx, trainable=trainable, master_dtype=master_dtype)[1]
 
   shardings = state_shardings(mesh, jax.eval_shape(make), rules)
   return graphdef, jax.jit(make, out_shardings=shardings)(), shardings
 
 
-def state_to_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
-  return nnx.merge(graphdef, state.params, state.rest)
+def state_to_model(graphdef: nnx.GraphDef, state: TrainState, param_dtypes: Any = None) -> nnx.Module:
+  """The model of `state`; `param_dtypes` (a state with master weights): its variables cast to those dtypes."""
+  return nnx.merge(graphdef, cast_params(state.params, param_dtypes), state.rest)
 
 
 def _split_microbatches(batch: SFTBatch, k: int) -> SFTBatch:
@@ -93,8 +148,13 @@ def _select(pred: jax.Array, a: Any, b: Any) -> Any:
   return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Callable:
+def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig, param_dtypes: Any = None) -> Callable:
+  """`((loss, metrics), grads) = f(params, rest, batch, key)`; `param_dtypes`: `params` is a master copy, cast to
+  these dtypes for the model (the gradient is taken through the cast, so it has the master's dtypes)."""
+  dtypes = _dtypes(param_dtypes)
+
   def loss_fn(params, rest, batch, key):
+    params = cast_params(params, dtypes)
     # LoRA dropout draws from a key carried in the state (a no-op for models without dropout adapters).
     rest = lora_adapters.set_dropout_key(rest, jax.random.fold_in(key, 0x10A))
     model = nnx.merge(graphdef, params, rest)
@@ -106,8 +166,8 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig) -> Calla
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
                     grad_accum_steps: int = 1, lr_schedule: Callable | None = None, jit: bool = True,
                     donate: bool = True, mesh: Mesh | None = None, shardings: TrainState | None = None,
-                    rules: Rules = LOGICAL_AXIS_RULES, halt_after_non_finite: bool = False
-                    ) -> Callable[..., tuple[TrainState, Metrics]]:
+                    rules: Rules = LOGICAL_AXIS_RULES, halt_after_non_finite: bool = False,
+                    param_dtypes: Any = None) -> Callable[..., tuple[TrainState, Metrics]]:
   """A jitted `(state, batch, key) -> (state, metrics)` (`jit=False`: the pure function, for callers that jit it
   themselves); `donate`: the input state's buffers are reused for the output.
 
@@ -126,13 +186,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
   (`sharding.shard_state` / `init_train_state_sharded` / a sharded restore) and batches from `sharding.shard_batch`.
   Activations are constrained to the batch sharding where `sharding.constrain` is called (the batch itself here,
   the model's residual stream). Compiles once per batch shape.
+
+  `param_dtypes` (a state with master weights, `init_train_state(master_dtype=...)`): the trainable variables as
+  the model stores them (a tree like `state.params` of arrays or ShapeDtypeStructs; only the dtypes are read).
+  Each step casts the master to them for the forward/backward and updates the master (see the module docstring).
   """
   if mesh is None and shardings is not None:
     raise ValueError("make_train_step: shardings=... needs mesh=... (the mesh they place the state on)")
   if mesh is not None and shardings is None:
     raise ValueError("make_train_step: mesh=... needs shardings=... (e.g. train_state_shardings(mesh, params, rest, "
                      "tx))")
-  grad_fn = make_loss_and_grad(graphdef, loss_config)
+  grad_fn = make_loss_and_grad(graphdef, loss_config, param_dtypes)
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
     if grad_accum_steps == 1:
@@ -188,16 +252,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                  donate_argnums=donate_argnums)
 
 
-def make_eval_step(graphdef: nnx.GraphDef,
-                   loss_config: LossConfig) -> Callable[[TrainState, SFTBatch, jax.Array], Metrics]:
-  """A jitted `(state, batch, key) -> metrics` (the training loss on held-out data)."""
+def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig,
+                   param_dtypes: Any = None) -> Callable[[TrainState, SFTBatch, jax.Array], Metrics]:
+  """A jitted `(state, batch, key) -> metrics` (the training loss on held-out data); `param_dtypes` as in
+  `make_train_step`."""
+  dtypes = _dtypes(param_dtypes)
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> Metrics:
-    model = nnx.merge(graphdef, state.params, state.rest)
+    model = state_to_model(graphdef, state, dtypes)
     return diffusion_loss(model, batch, key, loss_config)[1]
 
   return jax.jit(step)
 
 
-__all__ = ["Metrics", "TrainState", "abstract_train_state", "init_train_state", "init_train_state_sharded",
-           "make_eval_step", "make_loss_and_grad", "make_train_step", "state_to_model", "train_state_shardings"]
+__all__ = ["Metrics", "TrainState", "abstract_train_state", "cast_params", "init_train_state",
+           "init_train_state_sharded", "make_eval_step", "make_loss_and_grad", "make_train_step", "master_params",
+           "state_to_model", "train_state_shardings"]

@@ -15,9 +15,10 @@ Sharded runs (the `mesh` section, see docs/scaling.md): the trainer joins the mu
 is configured), builds the mesh, creates or restores the train state directly in its shards, places each batch
 with `sharding.shard_batch` (every process reads its own block of the global `train.batch_size`), and runs the
 step of `training.step.make_train_step(..., mesh=mesh)`. Checkpoints hold the sharded state and restore onto
-whatever mesh the resuming run has. Evaluation during training gathers the model onto one device per process
-(every device must fit the whole model for it; set `train.eval_every=0` and `train.eval_at_end=False` otherwise)
-and runs as on one device. Only process 0 writes the config, tokenizer, metrics, TensorBoard events and reports.
+whatever mesh the resuming run has. Evaluation during training samples on the same mesh with the parameters in
+their training shardings (nothing is gathered onto one device), every `eval.batch_size` batch split over the
+mesh's batch axes, with the tokens of one device. Only process 0 writes the config, tokenizer, metrics,
+TensorBoard events and reports.
 
 Non-finite loss: the step leaves the state unchanged when the loss or gradient is not finite and reports
 `finite=False`; that flag is fed back into the next step on the device, which then leaves the state unchanged too
@@ -55,9 +56,10 @@ from hackable_diffusion.training import workdir as workdir_lib
 from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
 from hackable_diffusion.training.config import ExperimentConfig
 from hackable_diffusion.training.logging import MetricWriter, Progress, is_main_process
-from hackable_diffusion.training.optimizer import make_optimizer
+from hackable_diffusion.training.optimizer import make_optimizer, master_dtype
 from hackable_diffusion.training.step import (TrainState, abstract_train_state, init_train_state,
-                                              init_train_state_sharded, make_train_step, state_to_model,
+                                              init_train_state_sharded, make_train_step, master_params,
+                                              state_to_model,
                                               train_state_shardings)
 
 _LOGGED = ("loss", "diffusion_loss", "ar_loss", "accuracy", "accuracy_corrupted", "grad_norm")
@@ -69,25 +71,22 @@ _STEP_CACHE_SIZE = 4
 
 
 def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, mesh: Mesh | None, params: nnx.State,
-                        rest: nnx.State) -> tuple[Any, Callable, Callable, Any]:
+                        rest: nnx.State, param_dtypes: tuple[Any, ...] | None = None
+                        ) -> tuple[Any, Callable, Callable, Any]:
   """(tx, lr schedule, jitted train step, state shardings or None), memoised (a bounded cache) so that a second
-  trainer in the same process (a resumed run, a notebook re-run) reuses the compiled step."""
-  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps, mesh)
+  trainer in the same process (a resumed run, a notebook re-run) reuses the compiled step. `params`: the trainable
+  variables as the state holds them; `param_dtypes`: the model's dtypes of a master copy (see `training.step`)."""
+  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps, mesh, param_dtypes)
   if key not in _STEP_CACHE:
     tx, schedule = make_optimizer(cfg.optimizer)
     shardings = None if mesh is None else train_state_shardings(mesh, params, rest, tx)
     step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
-                           lr_schedule=schedule, mesh=mesh, shardings=shardings, halt_after_non_finite=True)
+                           lr_schedule=schedule, mesh=mesh, shardings=shardings, halt_after_non_finite=True,
+                           param_dtypes=param_dtypes)
     while len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
       _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = (tx, schedule, step, shardings)
   return _STEP_CACHE[key]
-
-
-def _gather_to_one_device(tree: Any, mesh: Mesh) -> Any:
-  """Every array of a sharded tree, whole, on this process's first device of `mesh` (an all-gather)."""
-  whole = jax.jit(lambda t: t, out_shardings=sharding.replicated(mesh))(tree)
-  return jax.tree.map(lambda x: x.addressable_data(0), whole)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
@@ -140,9 +139,14 @@ class SFTTrainer:
     self._eval_data: eval_loop.EvalData | None = None
     # one setup path: shapes -> shardings (None without a mesh) -> restore, load or init
     abstract, trainable = run_lib.build_abstract_model(cfg, self.model_config)
-    self.graphdef, params, rest = nnx.split(abstract, trainable, ...)
-    self.tx, self.lr_schedule, self.train_step, self._shardings = _optimizer_and_step(self.graphdef, cfg, self.mesh,
-                                                                                      params, rest)
+    self.graphdef, model_params, rest = nnx.split(abstract, trainable, ...)
+    # optimizer.master_weights: the state holds a float32 master of trainable variables stored in less (bfloat16)
+    self._master = master_dtype(cfg.optimizer, lora=cfg.lora is not None)
+    params = model_params if self._master is None else master_params(model_params, self._master)
+    dtypes = tuple(x.dtype for x in jax.tree.leaves(model_params))
+    self._param_dtypes = dtypes if dtypes != tuple(x.dtype for x in jax.tree.leaves(params)) else None
+    self.tx, self.lr_schedule, self.train_step, self._shardings = _optimizer_and_step(
+        self.graphdef, cfg, self.mesh, params, rest, self._param_dtypes)
     if is_main_process():
       workdir_lib.warn_if_low_disk(workdir, workdir_lib.state_bytes(abstract_train_state(params, rest, self.tx)))
     latest = self.checkpointer.latest_step()
@@ -161,9 +165,9 @@ class SFTTrainer:
     cfg, mesh = self.config, self.mesh
     if mesh is not None and not cfg.model.checkpoint:
       model_fn = run_lib.model_factory(cfg, self.model_config)
-      return init_train_state_sharded(model_fn, self.tx, mesh, trainable=trainable)[1]
+      return init_train_state_sharded(model_fn, self.tx, mesh, trainable=trainable, master_dtype=self._master)[1]
     model = run_lib.apply_lora(cfg, run_lib.build_model(cfg, self.model_config, mesh=mesh))[0]
-    state = init_train_state(model, self.tx, trainable=trainable)[1]
+    state = init_train_state(model, self.tx, trainable=trainable, master_dtype=self._master)[1]
     return state if mesh is None else sharding.shard_state(state, self._shardings)
 
   def _restore(self, step: int, trainable: Any, params: nnx.State, rest: nnx.State) -> TrainState:
@@ -193,15 +197,15 @@ class SFTTrainer:
     return int(self.state.step)
 
   def model(self) -> nnx.Module:
-    """The current model (shares arrays with the train state, sharded like it: use it before the next step)."""
-    return state_to_model(self.graphdef, self.state)
+    """The current model (shares arrays with the train state, sharded like it: use it before the next step; with
+    master weights, their cast to the model's dtypes)."""
+    return state_to_model(self.graphdef, self.state, self._param_dtypes)
 
   def _eval_model(self) -> nnx.Module:
-    """The model for evaluation: on a mesh, gathered whole onto one device per process."""
-    if self.mesh is None:
-      return self.model()
-    params, rest = _gather_to_one_device((self.state.params, self.state.rest), self.mesh)
-    return nnx.merge(self.graphdef, params, rest)
+    """The model for evaluation: `model()`, i.e. the train state's arrays (with master weights their cast, sharded
+    alike) - on a mesh in their training shardings, never gathered onto one device; `evaluate` samples with them on
+    `self.mesh`."""
+    return self.model()
 
   def save(self, step: int, data_state: Mapping[str, Any] | None, *, wait: bool = False) -> None:
     meta = {"seed": self.seed, "data_state": dict(data_state) if data_state is not None else None,
@@ -216,10 +220,13 @@ class SFTTrainer:
     return self._eval_data
 
   def evaluate(self, *, log: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Evaluates the current state; writes workdir/eval/report_step_{N}.json and the plot (process 0)."""
+    """Evaluates the current state; writes workdir/eval/report_step_{N}.json and the plot (process 0).
+
+    On a mesh every process samples with the parameters in their training shardings on the run's mesh, batches
+    of `eval.batch_size` examples split over its batch axes (see `evaluation.loop`)."""
     out_dir = os.path.join(self.workdir, run_lib.EVAL_DIR) if is_main_process() else None
     return run_lib.evaluate_model(self.config, self._eval_model(), self.tokenizer, self.eval_data(), step=self.step,
-                          out_dir=out_dir, log=log)
+                                  out_dir=out_dir, log=log, mesh=self.mesh)
 
   # ---- the loop -----------------------------------------------------------------------------------------------
   def train(self) -> dict[str, float]:

@@ -175,3 +175,25 @@ def test_trajectory_of_a_two_canvas_evaluation_uses_the_first_canvas(setup):
   sampling = loop.eval_runs(EvalSection(step_budgets=(3,), early_stopping_steps=3), max_new_tokens=16)[0].sampling
   steps = loop.trajectory_texts(model, tok, data, sampling, _PinFirstDigit(), rng=jax.random.key(0))
   assert len(steps) == 3 and all(s[:1] == data.examples[0].completion[:1] for s in steps)
+
+
+def test_batch_rows():
+  """Examples per batch: `eval.batch_size` (at most all of them); on a mesh rounded up to its batch shards."""
+  assert loop.batch_rows(64, 7) == 7 and loop.batch_rows(3, 7) == 3 and loop.batch_rows(1, 1) == 1
+  mesh = jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+  assert loop.batch_rows(3, 7, mesh) == 3  # one device: one batch shard
+
+
+def test_padding_rows_do_not_change_a_row(setup):
+  """What lets an evaluation on a mesh pad its batches to the batch shards and still report one device's tokens:
+  a row's random draws depend on the key and the row only, so extra (padding) rows leave the others unchanged."""
+  _, tok, model, data = setup
+  from hackable_diffusion.sampling.generate import generate
+
+  sampling = loop.eval_runs(EvalSection(step_budgets=(3,), early_stopping_steps=3), max_new_tokens=8)[0].sampling
+  ids, mask = data.records.prompt_ids[:3], data.records.prompt_mask[:3]
+  three = generate(model, ids, sampling, rng=jax.random.key(5), attention_mask=mask)
+  four = generate(model, loop._pad_rows(ids, 4), sampling, rng=jax.random.key(5),
+                  attention_mask=loop._pad_rows(mask, 4))
+  np.testing.assert_array_equal(np.asarray(four.sequences)[:3], np.asarray(three.sequences))
+  np.testing.assert_array_equal(np.asarray(four.denoising_steps)[:3], np.asarray(three.denoising_steps))

@@ -24,8 +24,11 @@ os.environ["XLA_FLAGS"] = " ".join([
     "--xla_cpu_use_fusion_emitters=false",
 ])
 
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
@@ -290,6 +293,31 @@ def run_misc() -> dict:
 
 
 # ---- SFTTrainer on a mesh ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def spy_programs():
+  """Records what every encode program of `generate` is given: the model's arrays, the prompt ids' rows / spec."""
+  from hackable_diffusion.sampling import programs as programs_lib
+
+  seen: list[dict] = []
+  original = programs_lib.encode_program
+
+  def spy(graphdef, mesh=None):
+    fn = original(graphdef, mesh)
+
+    def call(state, cache, ids, *rest, **kw):
+      seen.append({"state": jax.tree.leaves(state), "embed": spec(state["embed_tokens"][...]),
+                   "ids_rows": int(ids.shape[0]), "ids_spec": spec(ids)})
+      return fn(state, cache, ids, *rest, **kw)
+
+    return call
+
+  programs_lib.encode_program = spy
+  try:
+    yield seen
+  finally:
+    programs_lib.encode_program = original
+
+
 def run_trainer() -> dict:
   """`SFTTrainer` with `mesh` config sections: 3 steps on data 2 x fsdp 2 x tensor 2, resumed for 2 more on
   fsdp 4 x tensor 2, against 5 straight steps on one device (no mesh); and a batch the mesh cannot split."""
@@ -304,6 +332,8 @@ def run_trainer() -> dict:
       "data.prefetch_batches": 0,
       # as run_train: Adam's update a smooth function of the gradient, and a first step that moves the weights
       "optimizer.warmup_steps": 0, "optimizer.peak_lr": 1e-3, "optimizer.eps": 1e-3,
+      # a small evaluation: 7 examples in batches of 3 (3, 3, 1: padded to 4 rows on fsdp=4), two runs
+      "eval.num_examples": 7, "eval.batch_size": 3, "eval.step_budgets": (3,), "eval.early_stopping_steps": 3,
   }
 
   def config(steps: int, mesh: dict[str, int] | None = None, **extra):
@@ -335,13 +365,42 @@ def run_trainer() -> dict:
             if "mu" in jax.tree_util.keystr(path) and "q_proj" in jax.tree_util.keystr(path)]
       out["b_mu_spec"] = spec(mu[0])  # Adam's first moment of layer 0's q_proj kernel
       t.train()
-      gathered = t._eval_model()  # what evaluation during training runs on: the whole model on one device
-      out["eval_model_devices"] = sorted({len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(gathered))})
-      out["eval_model_max_diff"] = max_diff(nnx.state(gathered), nnx.state(t.model()))
+      train_arrays = jax.tree.leaves((t.state.params, t.state.rest))
+      train_sharding = dict(zip(map(id, train_arrays), jax.tree.leaves((t._shardings.params, t._shardings.rest))))
+      with spy_programs() as seen:  # evaluation during training: sampled on the run's mesh
+        t0 = time.perf_counter()
+        out["mesh_report"] = t.evaluate()
+        out["mesh_eval_seconds"] = time.perf_counter() - t0
+      out["eval_calls"] = len(seen)
+      # every model array handed to the sampler's programs is the train state's own array, in its training sharding
+      out["eval_state_is_train_state"] = bool(seen) and all(
+          len(c["state"]) == len(train_arrays) and {id(x) for x in c["state"]} == set(train_sharding) for c in seen)
+      out["eval_state_in_train_shardings"] = all(
+          x.sharding.is_equivalent_to(train_sharding[id(x)], x.ndim) for c in seen for x in c["state"]
+          if id(x) in train_sharding)
+      out["eval_state_min_devices"] = min(len(x.sharding.device_set) for c in seen for x in c["state"])
+      out["eval_embed_specs"] = sorted({json.dumps(c["embed"]) for c in seen})
+      out["eval_ids"] = sorted({json.dumps([c["ids_rows"], c["ids_spec"]]) for c in seen})
     with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:  # the 5-step single-device state
       single_params = jax.device_get(t.state.params)
     restored = run_lib.load_run(sharded)  # and the mesh run's, restored on one device
     out["final_param_max_diff"] = max_diff(nnx.state(restored.model, nnx.Param), single_params)
+    # the same checkpoint evaluated on one device: the mesh evaluation's reference
+    data = run_lib.load_eval_data(restored.config, restored.model.config, restored.tokenizer, restored.paths)
+    out["single_report"] = run_lib.evaluate_model(restored.config, restored.model, restored.tokenizer, data,
+                                                  step=restored.step, out_dir=os.path.join(tmp, "eval_single"))
+    # `python -m hackable_diffusion.evaluate`'s path: the run's mesh from its config, restored straight into shards
+    cfg_b = dataclasses.replace(restored.config, mesh=sh.MeshConfig(**mesh_b))
+    on_mesh = run_lib.load_run(sharded, cfg_b, mesh=run_lib.make_run_mesh(cfg_b))
+    out["load_run_mesh"] = dict(on_mesh.mesh.shape)
+    out["load_run_embed_spec"] = spec(on_mesh.model.embed_tokens[...])
+    model_arrays = jax.tree.leaves(nnx.state(on_mesh.model))
+    with spy_programs() as seen:
+      out["load_run_report"] = run_lib.evaluate_model(on_mesh.config, on_mesh.model, on_mesh.tokenizer, data,
+                                                      step=on_mesh.step, out_dir=os.path.join(tmp, "eval_mesh"),
+                                                      mesh=on_mesh.mesh)
+    out["load_run_eval_state_is_model"] = bool(seen) and all(
+        {id(x) for x in c["state"]} == {id(x) for x in model_arrays} for c in seen)
     out["single_losses"], out["sharded_losses"] = losses(single), losses(sharded)
     try:
       trainer_lib.SFTTrainer(config(3, mesh_a, **{"train.batch_size": 6}), os.path.join(tmp, "bad"), progress=False)

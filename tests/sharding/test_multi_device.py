@@ -1,7 +1,8 @@
 """Multi-device sharding, in subprocesses with 8 fake CPU devices: sharded training (`make_train_step(mesh=)`) ==
 one device, compile-once, per-device bytes, sharded generate (`generate(mesh=)`), cross-mesh checkpoint restore,
 a train state initialised in its shards, HF checkpoints loaded straight into shards (`load_pretrained(mesh=)`),
-and `SFTTrainer` with a `mesh` config section (== one device, resumed on another mesh).
+`SFTTrainer` with a `mesh` config section (== one device, resumed on another mesh), and evaluation on the run's
+mesh with the parameters in their training shardings (== one device's report; `load_run(mesh=)` too).
 
 The checks run in `tests/sharding/multi_device_worker.py` because JAX fixes its device count when it first
 initialises, which other test modules in this process have already done with one device. The three workers run
@@ -193,9 +194,40 @@ def test_trainer_checkpoint_resumes_on_another_mesh(worker_results):
   assert t["final_param_max_diff"] <= 1e-6, t["final_param_max_diff"]
 
 
-def test_trainer_evaluates_on_the_gathered_model(worker_results):
+def _without_timing(report: dict) -> dict:
+  return {**report, "runs": [{k: v for k, v in run.items() if k != "seconds"} for run in report["runs"]]}
+
+
+def test_trainer_evaluates_on_its_mesh_without_gathering(worker_results):
+  """Evaluation during training (fsdp 4 x tensor 2) hands the sampler the train state's own arrays, in their training
+  shardings over all 8 devices (a model gathered onto one device would fail every check), and splits each batch of
+  `eval.batch_size=3` examples, padded to 4 rows, over the batch axis."""
   t = _get(worker_results, "trainer")
-  assert t["eval_model_devices"] == [1] and t["eval_model_max_diff"] == 0.0
+  assert t["eval_calls"] >= 4  # 3 batches x 2 runs + the trajectory, one encode call each (one canvas)
+  assert t["eval_state_is_train_state"] and t["eval_state_in_train_shardings"]
+  assert t["eval_state_min_devices"] == 8
+  assert t["eval_embed_specs"] == ['["tensor", "fsdp"]']
+  assert t["eval_ids"] == ['[4, ["fsdp"]]']
+
+
+def test_trainer_evaluation_on_a_mesh_equals_one_device(worker_results):
+  """Same checkpoint, same eval seed: the mesh evaluation's report (metrics, step counts, every sample's tokens, the
+  trajectory) is the one-device evaluation's."""
+  t = _get(worker_results, "trainer")
+  mesh, single = _without_timing(t["mesh_report"]), _without_timing(t["single_report"])
+  assert [r["name"] for r in mesh["runs"]] == ["steps_3", "early_stopping"] and mesh["num_examples"] == 7
+  assert mesh["trajectory"]["steps"]  # the trajectory was sampled on the mesh too
+  assert mesh == single
+
+
+def test_evaluate_cli_path_restores_onto_the_run_mesh(worker_results):
+  """`load_run(..., mesh=make_run_mesh(cfg))` (what `python -m hackable_diffusion.evaluate` does for a run with a
+  `mesh` section) restores the variables straight into their shards, samples with them unmoved, and reports what one
+  device reports."""
+  t = _get(worker_results, "trainer")
+  assert t["load_run_mesh"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+  assert t["load_run_embed_spec"] == ["tensor", "fsdp"] and t["load_run_eval_state_is_model"]
+  assert _without_timing(t["load_run_report"]) == _without_timing(t["single_report"])
 
 
 def test_trainer_rejects_a_batch_the_mesh_cannot_split(worker_results):
