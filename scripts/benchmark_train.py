@@ -12,10 +12,17 @@ with the key our step uses, fed to torch as tensors), and compute the same SFT o
   optimizer: clip global norm 1.0 -> AdamW(b1 0.95, b2 0.99, eps 1e-8, weight decay 1e-4), constant lr.
 
 The first step of each side starts from the same parameters and noise and its loss and pre-clip gradient norm
-are compared (printed, and the script fails when they disagree). Expect the loss to agree to ~1e-6 and the
-gradient norm to ~1e-3 (relative): transformers' embedding has `padding_idx = pad_token_id`, so its lookups never
-send gradient to the pad row, and the uniform corruption does draw the pad id; every other parameter's gradient
-agrees to ~3e-5 (checked tensor by tensor at the Sudoku size). The completion is one canvas (as in the Sudoku
+are compared (printed, and the script fails when they disagree beyond `--check_tol` for the loss and
+`--check_tol_grad` for the gradient norm, relative). What to expect is set by float32 rounding, not by the formulas:
+in float64 both sides agree to ~1e-14 (loss) and ~1e-12 (gradient norm) at ~100M, but each side's fp32 step 0 is
+off its own float64 value by up to ~1e-3 (loss) and ~2.4e-2 (gradient norm) there, and the two fp32 sides differ
+by as much (measured: `python scripts/float64_parity.py --step0=100m --batch=1`; docs/benchmarks.md). The
+amplifier is the self-conditioning pass of a freshly initialised model: near-uniform logits over 32k tokens give a
+soft embedding that nearly cancels, and its RMSNorm scales the rounding noise up to unit size. Hence the defaults
+5e-3 / 1e-1 (4x the largest fp32-vs-fp64 deviation measured). At the Sudoku size rounding is far smaller; there
+the gradient norm differs by ~1e-3 for another reason: transformers' embedding has `padding_idx = pad_token_id`,
+so its lookups never send gradient to the pad row, and the uniform corruption does draw the pad id (every other
+parameter's gradient agrees to ~3e-5, checked tensor by tensor). The completion is one canvas (as in the Sudoku
 recipe), so the decoder's prefix is the prompt and every row decodes canvas 0 (transformers' cache has one length
 per batch).
 
@@ -365,7 +372,7 @@ def profile_pieces(size: Size, ours, ref, batch: SFTBatch, key, rounds: int) -> 
 
 # ---------------------------------------------------------------------------------------------------- main
 def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check_tol: float,
-             threads: str, block: int) -> tuple[str, dict]:
+             threads: str, block: int, check_tol_grad: float | None = None) -> tuple[str, dict]:
   import torch
 
   ours, ref = build_pair(size, workdir)
@@ -386,8 +393,10 @@ def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check
   gn_err = abs(ours_gn - ref_gn) / max(abs(ref_gn), 1e-6)
   print(f"[{name}] parity, step 0: loss ours {ours_loss:.6f} torch {ref_loss:.6f} (rel {loss_err:.1e}); "
         f"grad norm ours {ours_gn:.6f} torch {ref_gn:.6f} (rel {gn_err:.1e})", flush=True)
-  if not (loss_err <= check_tol and gn_err <= check_tol):
-    raise SystemExit(f"[{name}] the two train steps disagree (tolerance {check_tol}): not comparable")
+  grad_tol = check_tol if check_tol_grad is None else check_tol_grad
+  if not (loss_err <= check_tol and gn_err <= grad_tol):
+    raise SystemExit(f"[{name}] the two train steps disagree (relative tolerance: loss {check_tol}, gradient norm "
+                     f"{grad_tol}): not comparable")
   for i in range(1, warmup):
     state, _ = compiled(state, batch, keys[i])
     jax.block_until_ready(state)
@@ -445,7 +454,11 @@ def main(argv=None) -> int:
   parser.add_argument("--smoke", action="store_true", help="micro config, 2 timed steps (for the tests)")
   parser.add_argument("--profile", action="store_true", help="also time encoder / whole loss / optimizer pieces")
   parser.add_argument("--profile_rounds", type=int, default=5)
-  parser.add_argument("--check_tol", type=float, default=2e-3, help="relative tolerance of the step-0 parity check")
+  parser.add_argument("--check_tol", type=float, default=5e-3,
+                      help="relative tolerance of the step-0 loss check (fp32 rounding: up to ~1e-3 at ~100M)")
+  parser.add_argument("--check_tol_grad", type=float, default=1e-1,
+                      help="relative tolerance of the step-0 gradient-norm check (fp32 rounding: up to ~2.4e-2 at "
+                           "~100M; see `python scripts/float64_parity.py --step0=100m --batch=1`)")
   parser.add_argument("--cpus", default=None,
                       help="comma-separated CPU ids to pin the process to before torch and XLA start (e.g. 0: one "
                            "core, one thread each; default: no pinning, each library's default thread count)")
@@ -489,7 +502,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as workdir:
     for name in sizes:
       row, info = run_size(name, SIZES[name], args.steps, args.warmup, os.path.join(workdir, name), args.check_tol,
-                           threads, args.block)
+                           threads, args.block, args.check_tol_grad)
       rows.append(row)
       if args.profile:
         new = profile_pieces(SIZES[name], info["ours"], info["ref"], info["batch"], info["key"], args.profile_rounds)
