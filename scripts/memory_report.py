@@ -1,0 +1,262 @@
+"""Compiled memory of the DiffusionGemma 26B-A4B train and sampler steps, per device, on this CPU (nothing allocated).
+
+Every case is `jax.jit(step).lower(<abstract shapes>).compile().memory_analysis()`: XLA's own buffer assignment for
+the real shapes (25.25B parameters, vocab 262,144, 128 experts top-8), with fake CPU devices for the mesh case.
+
+    python scripts/memory_report.py                  # all cases, ~10 min on 2 cores
+    python scripts/memory_report.py --cases=a,c      # a subset; --validate: the CPU-convert check alone
+
+Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusiongemma_26b_lora.py):
+  a  LoRA, one device, batch 8 (in one pass, and as 4 micro-batches of 2: the recipe), remat 'nothing_saveable',
+     vocabulary-tiled loss
+  b  full fine-tuning, fp32 master weights + fp32 Adam moments, 8 devices (fsdp=8), batch 8 per device
+  c  one sampler step (decode with self-conditioning logits, sample/argmax/entropy, accept, renoise), batch 8 and 64
+  d  case a at batch 1 with remat off and the loss untiled, then with each turned on: what each saves (tiles of 32
+     positions, 32 MiB at batch 1, as the recipe's 256 MiB gives at batch 8)
+
+How the CPU's bf16 converts are kept out (see --validate): XLA:CPU computes every bf16 dot in f32 and keeps f32
+copies of bf16 weights as temporaries (a bf16 [4096, 4096] weight in `x @ w` compiles to a 64 MiB temporary; a GPU
+or TPU has none). So each case is compiled with fp32 parameters and fp32 compute - no converts exist - and
+reported as: arguments with every parameter at its bf16 size (LoRA adapters, master weights and Adam moments stay
+fp32), temporaries as compiled in fp32. Every activation is then twice its bf16 size, so the temporaries are an
+upper bound on what bf16 compute needs (fp32 parts - softmax, norms, router, logits, loss - are fp32 either way).
+Case b adds the bf16 compute copy of the (sharded) parameters that the master-weights step makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# 8 fake devices for the mesh case; XLA:CPU's memory-minimising scheduler (its default one favours running thunks
+# concurrently and keeps far more alive: at the real width, batch 8, 4 layers, 17.2 -> 7.3 GiB of temporaries; an
+# accelerator's scheduler works under a memory limit, so this is the closer model)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from hackable_diffusion.data.sft import SFTBatch  # noqa: E402
+from hackable_diffusion.diffusion.loss import LossConfig  # noqa: E402
+from hackable_diffusion.lora.adapters import ALL_LINEAR, LoraConfig, apply_lora  # noqa: E402
+from hackable_diffusion.model.config import get_preset  # noqa: E402
+from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: E402
+from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
+from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh  # noqa: E402
+from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from hackable_diffusion.training.step import abstract_train_state, make_train_step, train_state_shardings  # noqa: E402
+
+GIB = 2**30
+PRESET = "diffusion_gemma_26b_a4b"
+PROMPT, CANVAS = 256, 256
+LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
+KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+
+
+LAYERS: int | None = None  # compile this many layers (whole 5 sliding : 1 full groups) instead of all 30
+
+
+def model_config(remat: str = "nothing_saveable", dtype: str = "float32"):
+  cfg = get_preset(PRESET, moe_impl="tiled", remat=remat, dtype=dtype, param_dtype=dtype)
+  if LAYERS is not None:
+    cfg = cfg.replace(num_hidden_layers=LAYERS, layer_types=cfg.layer_types[:LAYERS])
+  return cfg
+
+
+def abstract_model(cfg, lora: bool):
+  def build():
+    model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
+    return apply_lora(model, LORA, rngs=nnx.Rngs(1)) if lora else model
+  return nnx.eval_shape(build)
+
+
+def batch_shapes(b: int) -> SFTBatch:
+  return SFTBatch(prompt_ids=jax.ShapeDtypeStruct((b, PROMPT), jnp.int32),
+                  prompt_mask=jax.ShapeDtypeStruct((b, PROMPT), bool),
+                  completion_ids=jax.ShapeDtypeStruct((b, CANVAS), jnp.int32),
+                  completion_mask=jax.ShapeDtypeStruct((b, CANVAS), bool))
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def analysis(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+              temporaries=m.temp_size_in_bytes)
+
+
+def row(name: str, arguments: float, temporaries: float, extra: float = 0.0, note: str = "", **more) -> dict:
+  return dict(name=name, arguments=arguments, temporaries=temporaries, extra=extra, note=note, **more)
+
+
+def print_row(r: dict) -> None:
+  total = r["arguments"] + r["temporaries"] + r["extra"]
+  if "logits" in r:
+    r = dict(r, note=f"temporaries = {r['temporaries'] / r['logits']:.2f} fp32 [B, 256, 262144] buffers; {r['note']}")
+  print(f"| {r['name']} | {r['arguments'] / GIB:.1f} | {r['temporaries'] / GIB:.1f} | {r['extra'] / GIB:.1f} | "
+        f"**{total / GIB:.1f}** | {r['note']} |", flush=True)
+
+
+def measure(case, *args, full: bool) -> list[dict]:
+  """The case's rows for the 30-layer model: compiled whole (`full`), or compiled at 6 and 12 layers (one and two
+  5:1 groups) and extrapolated linearly to 30 (exact for the arguments, whose per-group bytes are equal; for the
+  temporaries see docs/scaling.md, where a whole 30-layer compile checks it)."""
+  global LAYERS
+  if full:
+    LAYERS = None
+    return case(*args)
+  LAYERS = 6
+  six = case(*args)
+  LAYERS = 12
+  twelve = case(*args)
+  LAYERS = None
+  out = []
+  for a, b in zip(six, twelve):
+    grow = lambda k, a=a, b=b: b[k] + (b[k] - a[k]) * 3  # noqa: E731 - 12 -> 30 layers: three more 6-layer steps
+    more = {"logits": b["logits"]} if "logits" in b else {}
+    out.append(row(b["name"], grow("arguments"), grow("temporaries"), grow("extra"),
+                   b["note"].replace("compiled in", "12 layers compiled in") + "; from 6 + 12 layers", **more))
+  return out
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+def lora_step(batch: int, *, remat: str, tile_mib: float, dtype: str = "float32", accum: int = 1) -> tuple[dict, dict]:
+  """Compiled LoRA train step on one device (`accum` micro-batches) -> (XLA analysis, {'frozen': bytes of the frozen
+  base in this compile, ...})."""
+  cfg = model_config(remat, dtype)
+  graphdef, params, rest = nnx.split(abstract_model(cfg, lora=True), nnx.LoRAParam, ...)
+  tx, _ = make_optimizer(OptimizerConfig())
+  state = abstract_train_state(params, rest, tx)
+  step = make_train_step(graphdef, tx, LossConfig(logits_tile_mib=tile_mib), jit=False, grad_accum_steps=accum)
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch_shapes(batch), KEY).compile()
+  return analysis(compiled), dict(frozen=nbytes(rest), trainable=nbytes(params), opt=nbytes(state.opt_state))
+
+
+def case_a(batch: int = 8) -> list[dict]:
+  rows = []
+  for accum in (1, 4):
+    t = time.time()
+    a, sizes = lora_step(batch, remat="nothing_saveable", tile_mib=256.0, accum=accum)
+    # arguments: the frozen base at bf16 (it is fp32 in this compile), adapters + Adam state as compiled (fp32)
+    args = a["arguments"] - sizes["frozen"] // 2
+    how = "one pass" if accum == 1 else f"{accum} micro-batches of {batch // accum} (train.grad_accum_steps={accum})"
+    rows.append(row(f"a: LoRA r8, 1 device, batch {batch}, {how}", args, a["temporaries"],
+                    note=f"compiled in {time.time() - t:.0f} s"))
+  return rows
+
+
+def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] = (1, 4)) -> list[dict]:
+  cfg = model_config("nothing_saveable")
+  graphdef, params, rest = nnx.split(abstract_model(cfg, lora=False), nnx.Param, ...)
+  tx, _ = make_optimizer(OptimizerConfig())
+  mesh = make_mesh(MeshConfig(fsdp=devices))
+  shardings = train_state_shardings(mesh, params, rest, tx)
+  state = abstract_train_state(params, rest, tx)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  rows = []
+  for accum in accums:
+    t = time.time()
+    step = make_train_step(graphdef, tx, LossConfig(), jit=False, mesh=mesh, shardings=shardings,
+                           grad_accum_steps=accum)
+    batch = batch_shapes(per_device_batch * devices)
+    a = analysis(jax.jit(step, donate_argnums=0).lower(state, batch, KEY).compile())
+    # fp32 params = the master; moments fp32: the arguments are what the master-weights state holds. The step's
+    # bf16 compute copy of the parameters (sharded like them) is added.
+    compute_copy = nbytes(params) // 2 // devices
+    how = "one pass" if accum == 1 else f"{accum} micro-batches"
+    rows.append(row(f"b: full FT, fp32 master + Adam, fsdp={devices}, batch {per_device_batch}/device, {how}",
+                    a["arguments"], a["temporaries"], compute_copy,
+                    note=f"per device, + the bf16 compute copy of the params; compiled in {time.time() - t:.0f} s"))
+  return rows
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+def sampler_step(batch: int, dtype: str = "float32") -> tuple[dict, int]:
+  """One denoising step as `sampling.denoise` runs it (decode with SC logits -> sample/argmax/entropy -> accept ->
+  renoise), compiled on one device -> (analysis, parameter bytes)."""
+  cfg = model_config("none", dtype)
+  graphdef, state = nnx.split(abstract_model(cfg, lora=False))
+  cache = jax.eval_shape(lambda: nnx.merge(graphdef, state).init_cache(batch, PROMPT))
+  v = cfg.vocab_size
+
+  def step(state, cache, canvas, sc_logits, key):
+    model = nnx.merge(graphdef, state)
+    logits = model.decode(canvas, cache, sc_logits, jnp.ones((batch,), bool))
+    temp = jnp.float32(0.5)
+    k1, k2 = jax.random.split(key)
+    denoised, argmax, ent = eb.sample_argmax_entropy(k1, logits, temp)
+    accept = eb.accept_entropy_bound(ent, 0.1)
+    return eb.renoise(k2, denoised, accept, v), argmax, logits / temp
+
+  args = (state, cache, jax.ShapeDtypeStruct((batch, CANVAS), jnp.int32),
+          jax.ShapeDtypeStruct((batch, CANVAS, v), jnp.float32), KEY)
+  compiled = jax.jit(step, donate_argnums=3).lower(*args).compile()
+  return analysis(compiled), nbytes(state)
+
+
+def case_c(batch: int) -> dict:
+  t = time.time()
+  a, params = sampler_step(batch)
+  logits = batch * CANVAS * model_config().vocab_size * 4
+  args = a["arguments"] - params // 2  # weights at bf16
+  return [row(f"c: sampler step, batch {batch}", args, a["temporaries"], logits=logits,
+              note=f"compiled in {time.time() - t:.0f} s")]
+
+
+def case_d() -> list[dict]:
+  rows = []
+  # at batch 1 the recipe's 256 MiB covers the whole canvas (one tile); 32 MiB gives the recipe's batch-8 tiles
+  for remat, tile, label in (("none", 0.0, "remat off, loss untiled"), ("none", 32.0, "remat off, loss tiled"),
+                             ("nothing_saveable", 0.0, "remat on, loss untiled"),
+                             ("nothing_saveable", 32.0, "remat on, loss tiled")):
+    t = time.time()
+    a, sizes = lora_step(1, remat=remat, tile_mib=tile)
+    rows.append(row(f"d: LoRA r8, 1 device, batch 1, {label}", a["arguments"] - sizes["frozen"] // 2,
+                    a["temporaries"], note=f"compiled in {time.time() - t:.0f} s"))
+  return rows
+
+
+# ---- the CPU-convert check ---------------------------------------------------------------------------------------
+def validate() -> None:
+  """A case where the GPU number is known exactly: `x @ w` with bf16 x [4096, 4096], w [4096, 4096]. A GPU needs no
+  temporary (the product is the output); XLA:CPU's bf16 compile reports the f32 copies; the fp32 compile used by
+  this report reports none."""
+  for dtype in ("bfloat16", "float32"):
+    s = jax.ShapeDtypeStruct((4096, 4096), jnp.dtype(dtype))
+    a = analysis(jax.jit(lambda x, w: x @ w).lower(s, s).compile())
+    print(f"| x @ w, {dtype} | temporaries {a['temporaries'] / 2**20:.0f} MiB | (a GPU: 0 MiB) |", flush=True)
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--cases", default="a,b,b2,c,d",
+                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),c,d")
+  parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
+  parser.add_argument("--full", action="store_true",
+                      help="compile all 30 layers (slow: ~25 min for case a) instead of 6 + 12 extrapolated")
+  args = parser.parse_args(argv)
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
+  print("\n| check | compiled | known |\n|---|---|---|")
+  validate()
+  if args.validate:
+    return
+  print("\n| case | arguments GiB | temporaries GiB | added GiB | total GiB | note |\n|---|---|---|---|---|---|")
+  cases = set(args.cases.split(","))
+  runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))), ("c", case_c, (8,)), ("c", case_c, (64,)),
+          ("d", case_d, ())]
+  for name, case, case_args in runs:
+    if name in cases:
+      for r in measure(case, *case_args, full=args.full):
+        print_row(r)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
