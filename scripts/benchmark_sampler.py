@@ -28,10 +28,9 @@ from flax import nnx
 
 from hackable_diffusion.sampling import generate as gen_mod
 from hackable_diffusion.sampling.config import SamplingConfig
+from hf_reference import hf_config  # scripts/: this script's directory
 
 SLIDE, FULL = "sliding_attention", "full_attention"
-TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                   intermediate_size=64, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 SIZES = {
     # (text config, canvas, prompt length, steps)
     "a": (dict(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -51,16 +50,13 @@ REPEATS = 3
 
 def build_pair(size: str, workdir: str):
   import torch
-  from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+  from transformers import DiffusionGemmaForBlockDiffusion
 
   from hackable_diffusion.interop.hf import load_pretrained
 
   text, canvas, _, _ = SIZES[size]
-  v = text["vocab_size"]
   torch.manual_seed(0)
-  config = DiffusionGemmaConfig(text_config=dict(text, initializer_range=0.05), vision_config=dict(TINY_VISION),
-                                boi_token_id=v - 3, eoi_token_id=v - 2, image_token_id=v - 1, canvas_length=canvas)
-  ref = DiffusionGemmaForBlockDiffusion(config).eval()
+  ref = DiffusionGemmaForBlockDiffusion(hf_config(dict(text, initializer_range=0.05), canvas)).eval()
   path = os.path.join(workdir, f"size_{size}")
   ref.save_pretrained(path)
   ours = load_pretrained(path)

@@ -45,9 +45,10 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: hf_reference (also when loaded by a test)
+from hf_reference import make_hf_model as _make_hf_model  # noqa: E402
+
 S, F = "sliding_attention", "full_attention"
-TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                   intermediate_size=64, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 
 
 def text_config(layers: int, vocab: int = 32000, hidden: int = 512, **overrides: Any) -> dict[str, Any]:
@@ -63,26 +64,8 @@ def text_config(layers: int, vocab: int = 32000, hidden: int = 512, **overrides:
 
 
 def make_hf_model(tc: dict[str, Any], canvas: int, seed: int = 0, perturb: bool = True):
-  """A random `DiffusionGemmaForBlockDiffusion` (eval, fp32). `perturb`: norms/scales away from 1 and layer scalars in
-  [0.5, 1.5] (as tests/conftest.py's `make_hf_model`), so that every weight takes part in the comparison."""
-  import torch
-  from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
-  vocab = tc["vocab_size"]
-  torch.manual_seed(seed)
-  config = DiffusionGemmaConfig(text_config=dict(tc), vision_config=dict(TINY_VISION), boi_token_id=vocab - 3,
-                                eoi_token_id=vocab - 2, image_token_id=vocab - 1, canvas_length=canvas)
-  model = DiffusionGemmaForBlockDiffusion(config).eval()
-  if perturb:
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-      for name, p in model.named_parameters():
-        if "vision" not in name and ("norm" in name or name.endswith("scale") or "per_expert_scale" in name):
-          p.add_(0.3 * torch.randn(p.shape, generator=gen))
-      for name, b in model.named_buffers():
-        if "layer_scalar" in name:
-          b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-  return model
+  """A random `DiffusionGemmaForBlockDiffusion` (eval, fp32; `scripts/hf_reference.py`)."""
+  return _make_hf_model(tc, canvas, seed, perturb=perturb)
 
 
 # ---------------------------------------------------------------------------------------------------- torch fp64

@@ -8,6 +8,8 @@ import sys
 # Components defined in tests (tests/custom_components.py) are named by 'module:attribute' specs: importable in any
 # pytest import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# scripts/hf_reference.py: the transformers reference model, shared with the parity scripts
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 # Tests run tiny models, where XLA's CPU compile time dominates: the lowest backend optimisation level compiles
 # ~3x faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
@@ -15,41 +17,19 @@ if "jax" not in sys.modules:
   os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 from typing import Any
 
+import hf_reference  # noqa: E402 - scripts/ is on sys.path (above)
 import numpy as np
 import pytest
 
-TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                   intermediate_size=64, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
-
-
 def make_hf_model(seed: int = 0, *, vocab: int = 128, canvas: int = 6, perturb: bool = True, **text: Any):
-  """A tiny random `DiffusionGemmaForBlockDiffusion` (eval mode, fp32) with non-trivial norms and scalars."""
-  import torch
-  from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
+  """A tiny random `DiffusionGemmaForBlockDiffusion` (eval mode, fp32) with non-trivial norms and scalars and,
+  when perturbed, the embedding x10 (logits of order 1-10, so that a wrong detail shows clearly)."""
   tc = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=4,
             num_experts=4, top_k_experts=2, moe_intermediate_size=16, initializer_range=0.1,
             layer_types=["sliding_attention", "full_attention", "full_attention"])
   tc.update(text)
-  torch.manual_seed(seed)
-  config = DiffusionGemmaConfig(text_config=tc, vision_config=dict(TINY_VISION), boi_token_id=vocab - 3,
-                                eoi_token_id=vocab - 2, image_token_id=vocab - 1, canvas_length=canvas)
-  model = DiffusionGemmaForBlockDiffusion(config).eval()
-  if perturb:
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-      for name, p in model.named_parameters():
-        if "vision" in name:
-          continue
-        if "norm" in name or name.endswith("scale") or "per_expert_scale" in name:
-          p.add_(0.3 * torch.randn(p.shape, generator=gen))
-        if "embed_tokens" in name:
-          p.mul_(10.0)  # logits of order 1-10 so that a wrong detail shows clearly
-      for name, b in model.named_buffers():
-        if "layer_scalar" in name:
-          b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-  return model
+  return hf_reference.make_hf_model(tc, canvas, seed, perturb=perturb, embed_scale=10.0 if perturb else 1.0)
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,12 @@ import time
 # keeps the converted copies of several expert tensors alive at once (bf16 forward temp 9.6 GB -> 6.3 GB without it).
 os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                            "--xla_cpu_enable_concurrency_optimized_scheduler=false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))  # scripts/: hf_reference
 
 import numpy as np  # noqa: E402
 
-from conftest import TINY_VISION  # noqa: E402
+from hf_reference import hf_config  # noqa: E402
 
 SLIDE, FULL = "sliding_attention", "full_attention"
 VOCAB = 262_144
@@ -79,10 +80,9 @@ def _build_torch_model(seed: int = 0):
   `_init_weights` (rotary tables, embedding scale, ...).
   """
   import torch
-  from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+  from transformers import DiffusionGemmaForBlockDiffusion
 
-  config = DiffusionGemmaConfig(text_config=dict(TEXT), vision_config=dict(TINY_VISION), boi_token_id=VOCAB - 3,
-                                eoi_token_id=VOCAB - 2, image_token_id=VOCAB - 1, canvas_length=CANVAS)
+  config = hf_config(TEXT, CANVAS)
   with torch.device("meta"):
     model = DiffusionGemmaForBlockDiffusion(config)
   _materialize(model)
