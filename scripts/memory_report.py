@@ -5,6 +5,7 @@ the real shapes (25.25B parameters, vocab 262,144, 128 experts top-8), with fake
 
     python scripts/memory_report.py                  # all cases, ~10 min on 2 cores
     python scripts/memory_report.py --cases=a,c      # a subset; --validate: the CPU-convert check alone
+    python scripts/memory_report.py --smoke --cases=c   # the same steps on a tiny 30-layer model (CI)
 
 Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusiongemma_26b_lora.py):
   a  LoRA, one device, batch 8 (in one pass, and as 4 micro-batches of 2: the recipe), remat 'nothing_saveable',
@@ -53,8 +54,11 @@ from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimize
 from hackable_diffusion.training.step import abstract_train_state, make_train_step, train_state_shardings  # noqa: E402
 
 GIB = 2**30
+UNIT = (GIB, "GiB")  # (bytes, name) of the printed numbers; --smoke prints MiB
 PRESET = "diffusion_gemma_26b_a4b"
 PROMPT, CANVAS = 256, 256
+SMOKE = False  # --smoke: the same cases on a 30-layer model of hidden 32 (tests/test_benchmark_scripts.py)
+CASES = ("a", "b", "b2", "c", "d")
 LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
@@ -64,6 +68,9 @@ LAYERS: int | None = None  # compile this many layers (whole 5 sliding : 1 full 
 
 def model_config(remat: str = "nothing_saveable", dtype: str = "float32"):
   cfg = get_preset(PRESET, moe_impl="tiled", remat=remat, dtype=dtype, param_dtype=dtype)
+  if SMOKE:
+    cfg = get_preset("tiny", moe_impl="tiled", remat=remat, dtype=dtype, param_dtype=dtype, vocab_size=512,
+                     num_hidden_layers=30, layer_types=None, canvas_length=CANVAS)
   if LAYERS is not None:
     cfg = cfg.replace(num_hidden_layers=LAYERS, layer_types=cfg.layer_types[:LAYERS])
   return cfg
@@ -100,9 +107,10 @@ def row(name: str, arguments: float, temporaries: float, extra: float = 0.0, not
 def print_row(r: dict) -> None:
   total = r["arguments"] + r["temporaries"] + r["extra"]
   if "logits" in r:
-    r = dict(r, note=f"temporaries = {r['temporaries'] / r['logits']:.2f} fp32 [B, 256, 262144] buffers; {r['note']}")
-  print(f"| {r['name']} | {r['arguments'] / GIB:.1f} | {r['temporaries'] / GIB:.1f} | {r['extra'] / GIB:.1f} | "
-        f"**{total / GIB:.1f}** | {r['note']} |", flush=True)
+    r = dict(r, note=f"temporaries = {r['temporaries'] / r['logits']:.2f} fp32 [B, C, V] logits buffers; {r['note']}")
+  unit = UNIT[0]
+  print(f"| {r['name']} | {r['arguments'] / unit:.1f} | {r['temporaries'] / unit:.1f} | {r['extra'] / unit:.1f} | "
+        f"**{total / unit:.1f}** | {r['note']} |", flush=True)
 
 
 def measure(case, *args, full: bool) -> list[dict]:
@@ -237,19 +245,26 @@ def validate() -> None:
 
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--cases", default="a,b,b2,c,d",
+  parser.add_argument("--cases", default=",".join(CASES),
                       help="comma-separated subset of a,b,b2 (case b at batch 2 per device),c,d")
+  parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",
                       help="compile all 30 layers (slow: ~25 min for case a) instead of 6 + 12 extrapolated")
   args = parser.parse_args(argv)
+  cases = set(args.cases.split(","))
+  if cases - set(CASES):
+    parser.error(f"--cases: unknown case(s) {sorted(cases - set(CASES))}; expected a subset of {','.join(CASES)}")
+  if args.smoke:
+    global SMOKE, PROMPT, CANVAS, UNIT
+    SMOKE, PROMPT, CANVAS, UNIT = True, 16, 16, (2**20, "MiB")
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
   print("\n| check | compiled | known |\n|---|---|---|")
   validate()
   if args.validate:
     return
-  print("\n| case | arguments GiB | temporaries GiB | added GiB | total GiB | note |\n|---|---|---|---|---|---|")
-  cases = set(args.cases.split(","))
+  u = UNIT[1]
+  print(f"\n| case | arguments {u} | temporaries {u} | added {u} | total {u} | note |\n|---|---|---|---|---|---|")
   runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))), ("c", case_c, (8,)), ("c", case_c, (64,)),
           ("d", case_d, ())]
   for name, case, case_args in runs:

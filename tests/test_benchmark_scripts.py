@@ -67,3 +67,33 @@ def test_profile_train_step_lists_thunks_of_the_compiled_step():
   rows = [line for line in proc.stdout.splitlines() if re.match(r"\| [\w.\-]+ \| [\d,.]+ \| \d+ \| (\(|[a-z]+\d*\[)", line)]
   assert len(rows) == 5, proc.stdout[-3000:]
   assert re.search(r"\| matmul \| \d", proc.stdout), proc.stdout[-3000:]
+
+
+def _report_rows(*args: str) -> dict[str, list[float]]:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own (8 devices, scheduler)
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--smoke", *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  rows = {}
+  for line in proc.stdout.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if line.startswith("| c: "):
+      rows[cells[0]] = [float(c.strip("*")) for c in cells[1:5]]
+  return rows
+
+
+def test_memory_report_extrapolation_matches_a_whole_compile():
+  """scripts/memory_report.py on its tiny 30-layer model: the sampler case compiled at 6 + 12 layers and extrapolated
+  to 30 gives the arguments (exactly linear in the layers) of the whole 30-layer compile; temporaries are positive."""
+  extrapolated, full = _report_rows("--cases=c"), _report_rows("--cases=c", "--full")
+  assert set(extrapolated) == set(full) == {"c: sampler step, batch 8", "c: sampler step, batch 64"}
+  for name, (args, temps, _, total) in full.items():
+    assert args > 0 and temps > 0 and total >= args + temps - 0.2, (name, full[name])
+    assert extrapolated[name][0] == args, (name, extrapolated[name], full[name])
+
+
+def test_memory_report_refuses_an_unknown_case():
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--cases=a,z"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and "unknown case(s) ['z']" in lines[-1], proc.stderr[-2000:]
