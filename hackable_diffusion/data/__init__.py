@@ -1,4 +1,5 @@
-"""Data: SentencePiece tokenizer and the JSONL -> grain -> padded-batch SFT pipeline."""
+"""Data: the tokenizer (SentencePiece or `tokenizer.json`), chat templates and the JSONL -> grain -> padded-batch SFT
+pipeline."""
 
 from hackable_diffusion.data.sft import DataError
 from hackable_diffusion.data.sft import SFTBatch

@@ -67,7 +67,7 @@ def load_eval_data(path: str, data_config: SFTDataConfig, tokenizer: Tokenizer, 
   for file in dict.fromkeys(file for file, _ in records.sources):
     fields.update({r.source: r.fields for r in read_records(
         file, prompt_field=data_config.prompt_field, completion_field=data_config.completion_field,
-        on_malformed="skip")})
+        messages_field=data_config.messages_field, on_malformed="skip")})
   examples = []
   for i in range(n):
     if records.sources[i] not in fields:
