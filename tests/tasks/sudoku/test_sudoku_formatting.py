@@ -28,6 +28,53 @@ def test_parse_accepts_dots_and_whitespace():
   np.testing.assert_array_equal(formatting.parse_grid('\t' + PUZZLE[:40] + ' \n' + PUZZLE[40:]), expected)
 
 
+def test_parse_accepts_every_blank_and_the_rendered_grid():
+  """'.', '0', '_' blanks; spaces, newlines and render_grid's '|', '-', '+' separators: all the same puzzle."""
+  expected = formatting.parse_grid(PUZZLE)
+  rendered = formatting.render_grid(expected)
+  assert '|' in rendered and '+' in rendered and '-' in rendered
+  for text in (PUZZLE.replace('0', '_'), rendered, formatting.render_grid(expected, blank='_'),
+               formatting.render_grid(expected, blank='0'), rendered.replace('\n', ' '),
+               PUZZLE[:20].replace('0', '.') + PUZZLE[20:50].replace('0', '_') + PUZZLE[50:]):
+    np.testing.assert_array_equal(formatting.parse_grid(text), expected)
+    np.testing.assert_array_equal(formatting.parse_puzzle(text), expected)
+    assert formatting.count_cells(text) == 81
+  assert formatting.count_cells(rendered.split('\n')[0]) == 9  # one line of a pasted grid
+
+
+@pytest.mark.parametrize(
+    'text, message',
+    [
+        ('55' + PUZZLE[2:], r'contradictory givens: digit 5 at r1c1 and r1c2 \(same row 1\)$'),
+        (PUZZLE[:9] + '5' + PUZZLE[10:], r'digit 5 at r1c1 and r2c1 \(same column 1\)$'),
+        (PUZZLE[:10] + '5' + PUZZLE[11:], r'digit 5 at r1c1 and r2c2 \(same box 1\)$'),
+        (PUZZLE[:80] + '1', r'digit 1 at r5c9 and r9c9 \(same column 9\)$'),
+    ],
+)
+def test_parse_puzzle_names_clashing_givens(text, message):
+  formatting.parse_grid(text)  # the notation is fine
+  with pytest.raises(ValueError, match=message):
+    formatting.parse_puzzle(text)
+  assert formatting.find_conflict(formatting.parse_grid(PUZZLE)) is None
+
+
+def test_solution_verdict():
+  puzzle, solution = formatting.parse_grid(PUZZLE), formatting.parse_grid(SOLUTION)
+  ok, line = formatting.solution_verdict(solution, puzzle)
+  assert ok and line == 'valid: a complete grid with no clash in any row, column or box, keeping all 30 givens'
+  ok, line = formatting.solution_verdict(puzzle, puzzle)  # the puzzle itself: blanks left
+  assert not ok and line == 'not valid: 51 cell(s) not a digit 1-9'
+  swapped = solution.copy()
+  swapped[[0, 1]] = swapped[[1, 0]]  # 5 3 -> 3 5: rows fine, columns and givens broken
+  ok, line = formatting.solution_verdict(swapped, puzzle)
+  assert not ok and 'same column 1) clash' in line and '2 given(s) changed (first r1c1: 5 -> 3)' in line
+  other = formatting.parse_grid(SOLUTION)  # a valid grid that does not keep this puzzle's givens
+  assert formatting.solution_verdict(other, np.where(puzzle > 0, puzzle % 9 + 1, 0).astype(np.int8))[0] is False
+  garbage = np.full(81, -1)
+  assert formatting.solution_verdict(garbage, puzzle) == (False, 'not valid: 81 cell(s) not a digit 1-9; '
+                                                          '30 given(s) changed (first r1c1: 5 -> -1)')
+
+
 @pytest.mark.parametrize(
     'text, message',
     [
@@ -35,8 +82,10 @@ def test_parse_accepts_dots_and_whitespace():
         (PUZZLE + '1', r'expected 81 cells .*got 82'),
         ('', r'got 0'),
         (PUZZLE[:10] + 'x' + PUZZLE[11:], r"invalid character 'x' at position 10"),
-        ('|' + PUZZLE, r"invalid character '\|' at position 0"),
-        (PUZZLE[:5] + '-' + PUZZLE[6:], r"invalid character '-' at position 5"),
+        (PUZZLE[:5] + '?' + PUZZLE[6:], r"invalid character '\?' at position 5"),
+        ('53*' + PUZZLE[3:], r"invalid character '\*' at position 2: expected a digit 1-9, a blank"),
+        (PUZZLE[:5] + '-' + PUZZLE[6:], r'expected 81 cells .*got 80'),  # a separator is no cell
+        (PUZZLE.replace('0', '.') + '_', r'got 82'),
     ],
 )
 def test_parse_errors(text, message):
@@ -70,10 +119,8 @@ def test_render_grid():
   assert lines[0] == '5 3 . | . 7 . | . . .'
   assert lines[3] == lines[7] == '------+-------+------'
   assert lines[10] == '. . . | . 8 . | . 7 9'
-  # Digits read back in order give the puzzle again.
-  assert formatting.parse_grid(text.replace('|', '').replace('-', '').replace('+', '')).tolist() == [
-      int(ch) for ch in PUZZLE
-  ]
+  # The picture reads back as the puzzle (separators ignored).
+  assert formatting.parse_grid(text).tolist() == [int(ch) for ch in PUZZLE]
   garbage = np.full(81, 5)
   garbage[0], garbage[1] = -1, 11
   assert formatting.render_grid(garbage).split('\n')[0] == '? ? 5 | 5 5 5 | 5 5 5'
