@@ -11,11 +11,20 @@ the split and a load-robust view (on a shared machine torch's OpenMP threads slo
   python scripts/benchmark_sampler.py                       # both sizes, batch 1 and 8
   python scripts/benchmark_sampler.py --sizes=a --batches=1 --markdown=/tmp/table.md
   python scripts/benchmark_sampler.py --smoke                # a micro model in seconds (used by the tests)
+  python scripts/benchmark_sampler.py --vocab=262144 --batches=1,2   # sampler share of a step, before vs after
+
+`--vocab=V` runs no transformers: a small backbone (the Sudoku preset's widths, 4 layers) at vocabulary V, canvas 256,
+and times, in one process, the compiled denoising loop of this checkout ("after") and of commit 6c3e697 ("before":
+its `sampling/denoise.py` read with `git show`, run with its sampler, `tests/sampling/legacy_sampler.py`) against a
+loop of the same decoder forwards (`decode_hidden` + `lm_logits` + one max over the logits); the sampler's share of
+a step is `(loop - forwards) / loop`. Both loops run with the same key and weights; the script also reports how many
+argmax-canvas positions the two loops end with differently.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -164,6 +173,113 @@ def _best_of(fn, repeats: int = REPEATS, budget_s: float = 40.0) -> float:
   return best
 
 
+# ---- --vocab: the sampler's share of a denoising step, before vs after ----------------------------------------
+BEFORE_COMMIT = "6c3e697"  # the last commit with the row-group sampler and the [B, C, V] self-conditioning carry
+
+
+def _denoise_before():
+  """`sampling/denoise.py` of `BEFORE_COMMIT` (via `git show`) wired to the sampler it used then."""
+  import subprocess
+  import types
+
+  from hackable_diffusion.sampling import entropy_bound
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "tests", "sampling"))
+  import legacy_sampler  # noqa: E402 - the frozen copy of that commit's sample_argmax_entropy
+
+  source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:hackable_diffusion/sampling/denoise.py"], cwd=root,
+                          check=True, capture_output=True, text=True).stdout
+  module = types.ModuleType(f"denoise_{BEFORE_COMMIT}")
+  sys.modules[module.__name__] = module
+  exec(compile(source, f"{BEFORE_COMMIT}:denoise.py", "exec"), module.__dict__)  # noqa: S102 - our own history
+  public = {k: getattr(entropy_bound, k) for k in dir(entropy_bound) if not k.startswith("_")}
+  module.eb = types.SimpleNamespace(**public)
+  module.eb.sample_argmax_entropy = legacy_sampler.sample_argmax_entropy
+  return module
+
+
+def sampler_share(vocab: int, batch: int, steps: int, canvas: int = 256, prompt: int = 64, rounds: int = 3,
+                  budget_s: float = 60.0) -> dict:
+  """Seconds per denoising step of the loop before / after and of the forwards alone (see the module doc)."""
+  from hackable_diffusion.model.config import get_preset
+  from hackable_diffusion.model.transformer import DiffusionGemma
+  from hackable_diffusion.sampling import denoise as after
+  from hackable_diffusion.sampling.rules import EntropyBound
+
+  before = _denoise_before()
+  cfg = get_preset("sudoku", vocab_size=vocab, canvas_length=canvas, sliding_window=canvas)
+  model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  bucket = SamplingConfig().bucket_prompt_length(prompt)
+  ids = jnp.asarray(np.random.default_rng(batch).integers(3, vocab - 3, size=(batch, bucket)), jnp.int32)
+
+  @jax.jit
+  def encode(state, ids):
+    m = nnx.merge(graphdef, state)
+    cache = m.init_cache(batch, bucket + canvas)
+    return m.encode(ids, cache)[1]
+
+  cache = jax.block_until_ready(encode(state, ids))
+  sampling = SamplingConfig(max_denoising_steps=steps, early_stopping=False)
+  args = (jnp.zeros((batch, canvas), jnp.int32), jnp.asarray(False), jnp.zeros((batch, canvas), bool),
+          jnp.ones((1, 1), bool), jnp.ones((1, 1, 1, 1), bool), jnp.zeros((batch,), bool))
+  loops = {}
+  for name, mod in (("before", before), ("after", after)):
+    static = mod.DenoiseStatic(vocab_size=vocab, stability_threshold=1, has_pins=False, has_allowed=False,
+                               has_structure=False, static_rule=None, has_callback=False, trajectory_steps=None)
+    fn = jax.jit(mod.make_denoise(graphdef, static, on_trace=lambda: None, on_step=None))
+    scalars = mod.DenoiseScalars.of(sampling, 0)
+    loops[name] = functools.partial(fn, state, cache, jax.random.key(7), *args, scalars, EntropyBound(0.1),
+                                    jnp.asarray(0, jnp.int32))
+
+  @jax.jit
+  def forwards(state, cache):
+    m = nnx.merge(graphdef, state)
+    canvas_ids = jnp.ones((batch, canvas), jnp.int32)
+    soft = jnp.zeros((batch, canvas, cfg.hidden_size), m.dtype)
+
+    def body(i, acc):
+      logits = m.lm_logits(m.decode_hidden(canvas_ids + i, cache, soft, jnp.ones((batch,), bool)))
+      return acc + jnp.max(logits, axis=-1).sum()
+
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
+
+  fns = {"forwards": lambda: jax.block_until_ready(forwards(state, cache))}
+  outs = {}
+  for name, run in loops.items():
+    outs[name] = jax.block_until_ready(run())  # compile + first run
+    fns[name] = lambda run=run: jax.block_until_ready(run())
+  fns["forwards"]()
+  wall, cpu = minimum_times(fns, rounds=rounds, budget_s=budget_s)
+  differ = int((np.asarray(outs["before"][0]) != np.asarray(outs["after"][0])).sum())
+  return dict(wall={k: v / steps for k, v in wall.items()}, cpu={k: v / steps for k, v in cpu.items()},
+              differ=differ, positions=batch * canvas)
+
+
+def main_vocab(args) -> int:
+  header = ("| vocab | batch | steps | forwards s/step | before: step s | before: sampler share | after: step s "
+            "| after: sampler share | argmax positions differing | load avg |")
+  rows = []
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU threads, "
+        f"load average {os.getloadavg()[0]:.1f}", flush=True)
+  for batch in (int(b) for b in args.batches.split(",")):
+    r = sampler_share(args.vocab, batch, args.steps_b, rounds=args.rounds or 3, budget_s=args.budget_s)
+    c = r["cpu"]  # process CPU seconds (robust to other load on a shared machine)
+    share = {k: max(c[k] - c["forwards"], 0.0) / c[k] for k in ("before", "after")}
+    row = (f"| {args.vocab} | {batch} | {args.steps_b} | {c['forwards']:.3f} | {c['before']:.3f} "
+           f"| {100 * share['before']:.0f}% | {c['after']:.3f} | {100 * share['after']:.0f}% "
+           f"| {r['differ']} / {r['positions']} | {os.getloadavg()[0]:.1f} |")
+    print(row, flush=True)
+    rows.append(row)
+  table = "\n".join([header, "|" + "---|" * 10, *rows])
+  print("\n" + table)
+  if args.markdown:
+    with open(args.markdown, "w", encoding="utf-8") as f:
+      f.write(table + "\n")
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sizes", default="a,b")
@@ -178,7 +294,14 @@ def main(argv=None) -> int:
   parser.add_argument("--budget_s", type=float, default=60.0, help="stop repeating a run after this many seconds")
   parser.add_argument("--markdown", default=None, help="also write the table to this file")
   parser.add_argument("--smoke", action="store_true", help="a micro model, 2 steps, batch 1 (checks the script runs)")
+  parser.add_argument("--vocab", type=int, default=0,
+                      help="instead: the sampler's share of a denoising step at this vocabulary, before vs after "
+                      "(a small backbone, no transformers; --batches, --steps_b, --rounds apply)")
   args = parser.parse_args(argv)
+  if args.vocab:
+    if args.batches == "1,8":
+      args.batches = "1"
+    return main_vocab(args)
   if args.smoke:
     args.sizes, args.batches, args.rounds = "smoke", "1", 1
 

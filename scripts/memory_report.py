@@ -11,7 +11,8 @@ Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusio
   a  LoRA, one device, batch 8 (in one pass, and as 4 micro-batches of 2: the recipe), remat 'nothing_saveable',
      vocabulary-tiled loss
   b  full fine-tuning, fp32 master weights + fp32 Adam moments, 8 devices (fsdp=8), batch 8 per device
-  c  one sampler step (decode with self-conditioning logits, sample/argmax/entropy, accept, renoise), batch 8 and 64
+  c  one sampler step (decode with the self-conditioning input, sample/argmax/entropy/softmax in two passes, accept,
+     renoise, the next self-conditioning input), batch 8 and 64
   d  case a at batch 1 with remat off and the loss untiled, then with each turned on: what each saves (tiles of 32
      positions, 32 MiB at batch 1, as the recipe's 256 MiB gives at batch 8)
 
@@ -49,6 +50,7 @@ from hackable_diffusion.lora.adapters import ALL_LINEAR, LoraConfig, apply_lora 
 from hackable_diffusion.model.config import get_preset  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: E402
 from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
+from hackable_diffusion.sampling.denoise import self_conditioning_embeddings  # noqa: E402
 from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh  # noqa: E402
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from hackable_diffusion.training.step import abstract_train_state, make_train_step, train_state_shardings  # noqa: E402
@@ -188,24 +190,27 @@ def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
 def sampler_step(batch: int, dtype: str = "float32") -> tuple[dict, int]:
-  """One denoising step as `sampling.denoise` runs it (decode with SC logits -> sample/argmax/entropy -> accept ->
-  renoise), compiled on one device -> (analysis, parameter bytes)."""
+  """One denoising step as `sampling.denoise` runs it (decode with the self-conditioning embeddings -> logits ->
+  sample/argmax/entropy/softmax weights in two passes -> accept -> renoise -> the next self-conditioning input),
+  compiled on one device -> (analysis, parameter bytes)."""
   cfg = model_config("none", dtype)
   graphdef, state = nnx.split(abstract_model(cfg, lora=False))
   cache = jax.eval_shape(lambda: nnx.merge(graphdef, state).init_cache(batch, PROMPT))
   v = cfg.vocab_size
 
-  def step(state, cache, canvas, sc_logits, key):
+  def step(state, cache, canvas, sc_embeddings, key):
     model = nnx.merge(graphdef, state)
-    logits = model.decode(canvas, cache, sc_logits, jnp.ones((batch,), bool))
+    hidden = model.decode_hidden(canvas, cache, sc_embeddings, jnp.ones((batch,), bool))
+    logits = model.lm_logits(hidden)  # [B, C, V] float32
     temp = jnp.float32(0.5)
     k1, k2 = jax.random.split(key)
-    denoised, argmax, ent = eb.sample_argmax_entropy(k1, logits, temp)
-    accept = eb.accept_entropy_bound(ent, 0.1)
-    return eb.renoise(k2, denoised, accept, v), argmax, logits / temp
+    stats = eb.step_statistics(k1, logits, temp, weights_dtype=model.embed_tokens[...].dtype)
+    accept = eb.accept_entropy_bound(stats.entropy, 0.1)
+    soft = self_conditioning_embeddings(model.embed_tokens[...], model.dtype, stats.weights, stats.total)
+    return eb.renoise(k2, stats.samples, accept, v), stats.argmax, soft
 
   args = (state, cache, jax.ShapeDtypeStruct((batch, CANVAS), jnp.int32),
-          jax.ShapeDtypeStruct((batch, CANVAS, v), jnp.float32), KEY)
+          jax.ShapeDtypeStruct((batch, CANVAS, cfg.hidden_size), jnp.float32), KEY)
   compiled = jax.jit(step, donate_argnums=3).lower(*args).compile()
   return analysis(compiled), nbytes(state)
 

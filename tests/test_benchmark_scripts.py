@@ -97,3 +97,63 @@ def test_memory_report_refuses_an_unknown_case():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and "unknown case(s) ['z']" in lines[-1], proc.stderr[-2000:]
+
+
+# ---- scripts/gpu_check.py ------------------------------------------------------------------------------------------
+def _gpu_check():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "scripts", "gpu_check.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_gpu_check_refuses_on_cpu():
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py")], cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "'cpu'" in lines[0]
+  assert not proc.stdout.strip()  # nothing measured
+
+
+def test_gpu_check_roofline_bytes():
+  """The roofline's weight bytes: every non-expert weight plus the expected share of experts the tokens route to,
+  checked against a simulation of uniform top-k routing and the model's own parameter count."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  import hackable_diffusion as hd
+
+  gc = _gpu_check()
+  rng = np.random.default_rng(0)
+  for experts, k, tokens in ((128, 8, 1), (128, 8, 16), (128, 8, 2048), (4, 2, 3)):
+    distinct = np.mean([len(set(np.concatenate([rng.choice(experts, k, replace=False) for _ in range(tokens)])))
+                        for _ in range(300)])
+    assert abs(gc.expected_distinct(experts, k, tokens) - distinct) <= 0.03 * experts, (experts, k, tokens)
+  config = hd.get_preset("tiny")
+  state = nnx.state(nnx.eval_shape(lambda: hd.DiffusionGemma(config, rngs=nnx.Rngs(0))))
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  expert = sum(2 * config.num_experts * config.moe_intermediate_size * config.hidden_size * 4 +
+               config.num_experts * config.hidden_size * config.moe_intermediate_size * 4
+               for _ in range(config.num_hidden_layers))
+  assert gc.weight_bytes(state) == (expert, total - expert)
+  one = gc.forward_bytes(config, state, 1)
+  assert one == total - expert + expert * config.top_k_experts / config.num_experts
+  assert abs(gc.forward_bytes(config, state, 10_000) - total) < 1  # every expert is read
+
+
+@pytest.mark.slow  # the three checks end to end on a tiny model on the CPU: minutes (the LoRA step's compile)
+def test_gpu_check_runs_on_a_tiny_model_with_allow_cpu(tmp_path):
+  out = tmp_path / "gpu_check.json"
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--allow_cpu",
+                         "--preset=tiny", "--repeats=1", f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  import json
+
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["check"].split(",")[0] for r in rows] == ["decoder forward", "decoder forward", "hd.generate",
+                                                       "LoRA train step"]
+  assert all(r.get("forwards_per_s", r.get("tokens_per_s", r.get("seconds_per_step"))) > 0 for r in rows)

@@ -2,11 +2,19 @@
 
     canvas <- seed canvas or uniform noise (pinned positions take their seed token)
     for n = N .. 1, while some row is unfinished:
-      logits <- model.decode(canvas, cache, self-conditioning = previous step's processed logits; none at n = N)
+      logits <- model.decode(canvas, cache, self-conditioning = softmax(previous step's processed logits) @ embed)
+                (no self-conditioning at n = N)
       logits <- allowed-token restriction, pins made certain;  processed <- logits / T(n)
-      sample a token per position (denoiser canvas), take the argmax canvas and the entropies (one pass)
+      sample a token per position (denoiser canvas), the argmax canvas, the entropies and the softmax weights of
+        the processed logits in two passes over [B, C, V] (`entropy_bound.step_statistics`)
       accept <- rule(entropies, processed, n, N) | pinned;  re-noise the rest
+      next self-conditioning input <- (weights @ embed) / sum of weights   [B, C, H]
       per row: stop when stable and confident (if early stopping); finished rows are frozen
+
+The loop carries the self-conditioning *embeddings* `[B, C, H]` (what the decoder consumes), not the processed
+logits `[B, C, V]`: per step only the logits and the softmax weights exist at vocabulary width (at the released
+vocabulary of 262,144 and batch 8, 2 GiB each in float32). The logits are read by two fused reductions and one
+elementwise pass that writes the weights, which the self-conditioning product reads once.
 
 This module builds the traced function (`make_denoise`); `sampling.programs` compiles and caches it and
 `sampling.generate` calls it once per canvas. PRNG use per canvas (fixed, so results are reproducible): one split
@@ -16,6 +24,7 @@ for the starting canvas, then one three-way split per step (carry, sample, re-no
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +59,7 @@ class DenoiseState:
   key: Array  # PRNG key
   canvas: Array  # [B, C] int32, the (partly noisy) canvas fed to the decoder
   argmax: Array  # [B, C] int32, argmax canvas of the latest step
-  sc_logits: Array  # [B, C, V] float32, processed logits of the previous step (self-conditioning)
+  sc_embeddings: Array  # [B, C, H] model dtype, softmax(previous step's processed logits) @ embed * sqrt(H)
   has_sc: Array  # [] bool, False before the first step (self-conditioning off)
   done: Array  # [B] bool, frozen rows
   steps: Array  # [B] int32, decoder forwards counted for unfinished rows
@@ -95,6 +104,21 @@ class DenoiseStatic:
   trajectory_steps: int | None  # N when the trajectory is recorded
 
 
+def self_conditioning_embeddings(embed: Array, dtype: Any, weights: Array, total: Array) -> Array:
+  """The decoder's self-conditioning input `softmax(z) @ embed * sqrt(H)` `[B, C, H]` in `dtype`.
+
+  embed `[V, H]` (the tied embedding), weights `[B, C, V]` = `exp(z - max z)` in the embedding's dtype, total
+  `[B, C]` their float32 sum (`entropy_bound.step_statistics`). The same quantity as
+  `DiffusionGemma.soft_embeddings(z)`, with the normalisation applied after the product (`[B, C, H]` instead of
+  `[B, C, V]` divisions, no normalised copy of the weights; equal up to rounding).
+  """
+  b, c, v = weights.shape
+  scale = jnp.asarray(math.sqrt(embed.shape[1]), embed.dtype).astype(dtype)
+  soft = (weights.reshape(b * c, v) @ embed).reshape(b, c, -1)  # [B, C, H]
+  soft = soft * (1.0 / total)[..., None]
+  return soft.astype(dtype) * scale
+
+
 # on_step(call_id, canvas_index, step, argmax [B, C], done [B]): host side, through `jax.debug.callback`
 StepHook = Callable[[Any, Any, Any, Any, Any], None]
 
@@ -128,7 +152,7 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
         key=key,
         canvas=canvas,
         argmax=canvas,
-        sc_logits=jnp.zeros((batch, canvas_len, vocab), jnp.float32),
+        sc_embeddings=jnp.zeros((batch, canvas_len, model.config.hidden_size), model.dtype),
         has_sc=jnp.zeros((), bool),
         # rows finished in an earlier canvas are frozen from the start (their tokens become pad anyway)
         done=frozen,
@@ -142,27 +166,30 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
 
     def body(s: DenoiseState) -> DenoiseState:
       steps = s.steps + (~s.done).astype(jnp.int32)
-      logits = model.decode(s.canvas, cache, s.sc_logits, jnp.broadcast_to(s.has_sc, (batch,)),
-                            structure if static.has_structure else None)
+      hidden = model.decode_hidden(s.canvas, cache, s.sc_embeddings, jnp.broadcast_to(s.has_sc, (batch,)),
+                                   structure if static.has_structure else None)
+      logits = model.lm_logits(hidden)  # [B, C, V] float32
       if static.has_allowed:
         logits = eb.apply_allowed_tokens(logits, allowed)
       if static.has_pins:
         logits = eb.pin_logits(logits, seed_canvas, pinned)
       temp = eb.temperature(s.step, scalars.num_steps, scalars.t_min, scalars.t_max)
-      processed = logits / temp  # transformers' "processed logits": sampled from and fed back as self-conditioning
       key, sample_key, noise_key = jax.random.split(s.key, 3)
-      # = sample_tokens(processed), argmax_canvas(processed), entropy(processed), in one pass over the vocabulary
-      denoised, argmax, token_entropy = eb.sample_argmax_entropy(sample_key, logits, temp)
-      accept = accept_rule(token_entropy, processed, s.step, scalars.num_steps)
+      # sample_tokens / argmax_canvas / entropy / softmax of transformers' "processed logits" `logits / temp`
+      stats = eb.step_statistics(sample_key, logits, temp, weights_dtype=model.embed_tokens[...].dtype)
+      denoised, argmax, token_entropy = stats.samples, stats.argmax, stats.entropy
+      # the rule's view of the processed logits: nothing is computed unless the rule reads them
+      accept = accept_rule(token_entropy, logits / temp, s.step, scalars.num_steps)
       if static.has_pins:
         accept = accept | pinned
       canvas = eb.renoise(noise_key, denoised, accept, vocab)
       if static.has_pins:
         canvas = eb.apply_pins(canvas, seed_canvas, pinned)
-      # finished rows keep their canvas, argmax canvas and self-conditioning logits
+      # finished rows keep their canvas, argmax canvas and self-conditioning input
       argmax = jnp.where(s.done[:, None], s.argmax, argmax)
       canvas = jnp.where(s.done[:, None], s.canvas, canvas)
-      processed = jnp.where(s.done[:, None, None], s.sc_logits, processed)
+      soft = self_conditioning_embeddings(model.embed_tokens[...], model.dtype, stats.weights, stats.total)
+      soft = jnp.where(s.done[:, None, None], s.sc_embeddings, soft)
       stop, history = eb.stable_and_confident(s.history, argmax, token_entropy, scalars.confidence_threshold)
       done = s.done | (stop & scalars.early_stopping)
       trajectory = s.trajectory
@@ -170,7 +197,7 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
         trajectory = jax.lax.dynamic_update_index_in_dim(trajectory, argmax, scalars.num_steps - s.step, axis=0)
       if static.has_callback and on_step is not None:
         jax.debug.callback(on_step, call_id, scalars.canvas_index, s.step, argmax, done)
-      return DenoiseState(step=s.step - 1, key=key, canvas=canvas, argmax=argmax, sc_logits=processed,
+      return DenoiseState(step=s.step - 1, key=key, canvas=canvas, argmax=argmax, sc_embeddings=soft,
                           has_sc=jnp.ones((), bool), done=done, steps=steps, history=history,
                           trajectory=trajectory)
 
@@ -190,4 +217,5 @@ def step_info(canvas_index: Any, step: Any, argmax: Any, done: Any) -> StepInfo:
   return StepInfo(int(canvas_index), int(step), np.asarray(argmax), np.asarray(done))
 
 
-__all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepInfo", "make_denoise", "step_info"]
+__all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepInfo", "make_denoise",
+           "self_conditioning_embeddings", "step_info"]

@@ -1,8 +1,9 @@
 """The pieces of one entropy-bounded denoising step, as small pure (jittable) functions.
 
 `generate` composes them as: logits -> `apply_allowed_tokens` -> `pin_logits` -> divide by `temperature` ->
-`sample_argmax_entropy` (one pass giving what `sample_tokens`, `argmax_canvas` and `entropy` give separately: the
-denoiser canvas, the argmax canvas, the token entropies) -> an acceptance rule (`accept_entropy_bound`, or
+`step_statistics` (two fused passes over the logits, vectorised over every row, giving what `sample_tokens`,
+`argmax_canvas` and `entropy` give separately: the denoiser canvas, the argmax canvas, the token entropies; plus the
+softmax weights for the self-conditioning input) -> an acceptance rule (`accept_entropy_bound`, or
 `accept_top_k` / `accept_confidence_threshold`) -> `renoise` the rest -> `stable_and_confident` per-row stopping.
 Swap any of them to try another sampler.
 
@@ -14,6 +15,7 @@ Shapes: logits `[batch, canvas, vocab]`, canvases `[batch, canvas]` int32.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -70,85 +72,168 @@ def _largest_divisor(n: int, limit: int) -> int:
   return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _sample_stats_rows(key: Array, x: Array, inv_t: Array, chunk: int, block: int) -> tuple[Array, Array, Array]:
-  """`sample_argmax_entropy` on rows `x [R, V]` (V a multiple of `chunk`, itself a multiple of `block`)."""
-  rows, vocab = x.shape
-  n_chunks, blocks_per_chunk, n_blocks = vocab // chunk, chunk // block, vocab // block
-  iota = jnp.arange(chunk, dtype=jnp.int32)
+@flax.struct.dataclass
+class StepStatistics:
+  """What one denoising step needs from the processed logits `z = logits / T` (`step_statistics`).
 
-  def scan_chunk(carry, c):
-    m, s, t, best = carry  # running max of z = x / T, sum exp(z - m), sum exp(z - m) (z - m), argmax
-    xc = jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=1)
-    xmax = jnp.max(xc, axis=-1)
-    first = jnp.min(jnp.where(xc == xmax[:, None], iota, chunk), axis=-1)  # first maximum (exact compare on x)
-    d = (xc - xmax[:, None]) * inv_t
-    e = jnp.exp(d)
-    sc, tc = jnp.sum(e, axis=-1), jnp.sum(e * d, axis=-1)
-    block_sums = jnp.sum(e.reshape(rows, blocks_per_chunk, block), axis=-1)
-    mc = xmax * inv_t
+  `weights / total[..., None]` is `softmax(z)` up to float rounding (the self-conditioning input is
+  `softmax(z) @ embed`, computed as `(weights @ embed) / total` so that no normalised copy is written).
+  """
+
+  samples: Array  # [...] int32, one categorical sample per position
+  argmax: Array  # [...] int32, first index of the maximum
+  entropy: Array  # [...] float32, entropy of softmax(z)
+  weights: Array | None  # [..., V] exp(z - max z) in the requested dtype (None when not asked for)
+  total: Array  # [...] float32, sum of exp(z - max z)
+
+
+def _chunk_max(x: Array) -> tuple[Array, Array]:
+  """x [R, n, chunk] -> (max [R, n], first index of the max inside its chunk [R, n] int32), one variadic reduce."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 2)
+
+  def pick(a, b):
+    (av, ai), (bv, bi) = a, b
+    take_b = (bv > av) | ((bv == av) & (bi < ai))
+    return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+  init = (jnp.asarray(-jnp.inf, x.dtype), jnp.asarray(x.shape[2], jnp.int32))
+  return jax.lax.reduce((x, iota), init, pick, (2,))
+
+
+def _block_sums(x: Array, xmax: Array, inv_t: Array, block: int) -> tuple[Array, Array]:
+  """x [R, n, chunk] logits, xmax [R, n] chunk maxima -> per block of `block` tokens `[R, n, chunk / block]`: the
+  sums of `e = exp(d)` and of `e * d` with `d = (x - chunk max) / T`, in one variadic reduce (the exponentials are
+  computed inside the reduction, never written out)."""
+  rows, n, chunk = x.shape
+  d = ((x - xmax[..., None]) * inv_t).reshape(rows, n, chunk // block, block)
+  e = jnp.exp(d)
+
+  def add(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+  zero = jnp.asarray(0.0, jnp.float32)
+  return jax.lax.reduce((e, e * d), (zero, zero), add, (3,))
+
+
+def _combine_chunks(chunk_max: Array, chunk_sum: Array, chunk_ent: Array) -> tuple[Array, Array, Array]:
+  """Online (flash-attention style) combination of per-chunk softmax sums, chunk by chunk in vocabulary order.
+
+  chunk_max, chunk_sum, chunk_ent `[R, n]`: `max z`, `sum exp(z - max)` and `sum exp(z - max) (z - max)` of each
+  chunk -> (max z, sum exp(z - max z), sum exp(z - max z) (z - max z)) `[R]`. The loop runs over the `n` chunks of
+  the vocabulary with `[R]` vectors: its trip count (128 at the released vocabulary) does not depend on the batch.
+  """
+  rows = chunk_max.shape[0]
+
+  def step(carry, c):
+    m, s, t = carry
+    mc, sc, tc = c
     new_m = jnp.maximum(m, mc)
     a, b = jnp.exp(m - new_m), jnp.exp(mc - new_m)  # rescale both partial sums to the new max
     t = a * (t + s * (m - new_m)) + b * (tc + sc * (mc - new_m))
     s = a * s + b * sc
-    best = jnp.where(mc > m, c * chunk + first, best)  # strict: an earlier chunk keeps ties
-    return (new_m, s, t, best), (block_sums, mc)
+    return (new_m, s, t), None
 
-  init = (jnp.full((rows,), jnp.finfo(jnp.float32).min), jnp.zeros((rows,)), jnp.zeros((rows,)),
-          jnp.zeros((rows,), jnp.int32))
-  if n_chunks == 1:  # small vocabulary: no loop (cheaper to compile)
-    (m, s, t, best), (block_sums, chunk_max) = scan_chunk(init, 0)
-    block_sums, chunk_max = block_sums[None], chunk_max[None]
-  else:
-    (m, s, t, best), (block_sums, chunk_max) = jax.lax.scan(scan_chunk, init, jnp.arange(n_chunks))
-  token_entropy = jnp.log(s) - t / s
-  # inverse-CDF sample: pick a block by the cumulative block masses, then a token inside it
-  block_sums = block_sums * jnp.exp(chunk_max - m[None])[..., None]  # [chunks, R, blocks_per_chunk]
-  block_sums = jnp.moveaxis(block_sums, 0, 1).reshape(rows, n_blocks)
+  init = (jnp.full((rows,), jnp.finfo(jnp.float32).min), jnp.zeros((rows,)), jnp.zeros((rows,)))
+  if chunk_max.shape[1] == 1:
+    out, _ = step(init, (chunk_max[:, 0], chunk_sum[:, 0], chunk_ent[:, 0]))
+    return out
+  out, _ = jax.lax.scan(step, init, (chunk_max.T, chunk_sum.T, chunk_ent.T))
+  return out
+
+
+def _row_uniforms(key: Array, rows: int, group: int) -> Array:
+  """One uniform per row `[R]`: the key split into `R / group` keys, `group` uniforms each (the fixed random
+  stream of `sample_argmax_entropy`; it once processed rows in groups)."""
+  if group == rows:
+    return jax.random.uniform(key, (rows,), jnp.float32)
+  keys = jax.random.split(key, rows // group)
+  return jax.vmap(lambda k: jax.random.uniform(k, (group,), jnp.float32))(keys).reshape(rows)
+
+
+def _inverse_cdf(u: Array, x: Array, inv_t: Array, m: Array, block_sums: Array, block: int) -> Array:
+  """Sample by inverting the CDF: pick a block of `block` tokens by the cumulative block masses, then a token inside
+  it. u `[R]` uniforms, x `[R, V]` logits, m `[R]` max of `x * inv_t`, block_sums `[R, V / block]` -> `[R]` int32."""
+  rows, n_blocks = block_sums.shape
   cum_blocks = jnp.cumsum(block_sums, axis=-1)
-  target = jax.random.uniform(key, (rows,), jnp.float32) * cum_blocks[:, -1]
+  target = u * cum_blocks[:, -1]
   last_block = n_blocks - 1 - jnp.argmax(block_sums[:, ::-1] > 0, axis=-1)
   blk = jnp.minimum(jnp.sum(cum_blocks <= target[:, None], axis=-1), last_block)
   before = jnp.where(blk > 0, jnp.take_along_axis(cum_blocks, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-  xb = jnp.take_along_axis(x.reshape(rows, n_blocks, block), blk[:, None, None], axis=1)[:, 0]
+  xb = jnp.take_along_axis(x.reshape(rows, n_blocks, block), blk[:, None, None], axis=1)[:, 0]  # [R, block]
+  xb = jax.lax.optimization_barrier(xb)  # a gather of its own: reads R x block logits, not a pass over x
   e = jnp.exp(xb * inv_t - m[:, None])
   cum = jnp.cumsum(e, axis=-1) + before[:, None]
   last = block - 1 - jnp.argmax(e[:, ::-1] > 0, axis=-1)
   idx = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last)
-  return (blk * block + idx).astype(jnp.int32), best, token_entropy
+  return (blk * block + idx).astype(jnp.int32)
 
 
-def sample_argmax_entropy(key: Array, logits: Array, temperature, *, chunk_size: int = 2048,
-                          row_group: int | None = None) -> tuple[Array, Array, Array]:
-  """Sample, argmax and entropy of `softmax(logits / temperature)` in one streaming pass over the vocabulary.
+def step_statistics(key: Array, logits: Array, temperature, *, weights_dtype=None, chunk_size: int = 2048,
+                    row_group: int | None = None) -> StepStatistics:
+  """Sample, argmax, entropy (and optionally the softmax weights) of `z = logits / temperature`.
 
-  logits `[..., V]`; returns `(samples, argmax, entropy)` of shape `[...]` (int32, int32, float32). This is what
-  `generate` uses: equal in distribution to `sample_tokens(key, logits / T)`, equal to `argmax_canvas` (ties: the
-  first index; computed on `logits`, which has the same order as `logits / T`) and to `entropy(logits / T)` up to
-  float rounding. Instead of a Gumbel draw per vocabulary entry (on a CPU, 256 x 32k random numbers cost about as
-  much as a forward pass) it draws one uniform per position and inverts the CDF over blocks of 128 tokens. The
-  vocabulary is streamed in chunks (online max / sum, like flash attention) so no `[..., V]` temporary is written;
-  rows are processed in groups of `row_group` (default: about 2^19 logits per group) to stay in cache.
+  logits `[..., V]` (any float dtype; read as float32). Two passes over the `[R, V]` logits, vectorised over all
+  rows (no loop over rows), each one fused reduction:
+
+  1. per chunk of `chunk_size` tokens: the max and the first index of the max (one variadic reduce);
+  2. per block of 128 tokens: `sum e` and `sum e d` with `d = (x - chunk max) / T`, `e = exp(d)` (one variadic
+     reduce; the exponentials are never written). The chunk sums are combined in vocabulary order (`[R]` vectors,
+     one short loop over the chunks).
+
+  With `weights_dtype`, a third, elementwise pass writes the softmax numerators `exp(z - max z)` once, for the
+  self-conditioning input `softmax(z) @ embed = (weights @ embed) / total` (`denoise.self_conditioning_embeddings`).
+  The sample is drawn by one uniform per position and an inverse CDF over the blocks, then inside the chosen block
+  (a `[R, 128]` gather). The formulas are those of the row-group implementation this replaced (commit 6c3e697), with
+  the same random stream (`row_group` only selects it: the key is split into `R / group` keys): argmax canvases are
+  equal, entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding of a
+  token boundary of the cumulative block masses, which XLA now sums inside one fused reduction (see
+  `docs/sampling.md`).
   """
   *lead, vocab = logits.shape
-  x = logits.reshape(-1, vocab).astype(jnp.float32)
+  x = logits.reshape(-1, vocab).astype(jnp.float32)  # [R, V]
   rows = x.shape[0]
   inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
   block = 128 if vocab > 128 else vocab
   if vocab % block:  # pad the vocabulary with never-chosen tokens
     pad = block - vocab % block
     x = jnp.concatenate([x, jnp.full((rows, pad), DISALLOWED_LOGIT, jnp.float32)], axis=1)
-  n_blocks = x.shape[1] // block
+  padded = x.shape[1]
+  n_blocks = padded // block
   chunk = block * _largest_divisor(n_blocks, max(1, chunk_size // block))
-  target = row_group if row_group is not None else max(1, (1 << 19) // x.shape[1])
-  group = _largest_divisor(rows, target)
-  n_groups = rows // group
-  if n_groups == 1:
-    out = _sample_stats_rows(key, x, inv_t, chunk, block)
-  else:
-    keys = jax.random.split(key, n_groups)
-    out = jax.lax.map(lambda a: _sample_stats_rows(a[0], a[1], inv_t, chunk, block),
-                      (keys, x.reshape(n_groups, group, x.shape[1])))
-  return tuple(o.reshape(lead) for o in out)
+  n_chunks = padded // chunk
+  x3 = x.reshape(rows, n_chunks, chunk)  # [R, n, chunk]
+  # pass 1: max and first argmax per chunk
+  xmax, first = _chunk_max(x3)  # [R, n]
+  chunk_m = xmax * inv_t  # max of z per chunk
+  best_chunk = jnp.argmax(chunk_m, axis=-1)  # first chunk holding the max of z (ties: the earlier chunk)
+  argmax = best_chunk * chunk + jnp.take_along_axis(first, best_chunk[:, None], axis=-1)[:, 0]
+  # pass 2: chunk-local exponentials, summed per block of 128 tokens; then per chunk, combined in vocabulary order
+  block_sums, block_ent = _block_sums(x3, xmax, inv_t, block)  # [R, n, blocks per chunk]
+  m, s, t = _combine_chunks(chunk_m, jnp.sum(block_sums, axis=-1), jnp.sum(block_ent, axis=-1))
+  token_entropy = jnp.log(s) - t / s
+  block_sums = (block_sums * jnp.exp(chunk_m - m[:, None])[..., None]).reshape(rows, n_blocks)
+  weights = None
+  if weights_dtype is not None:  # pass 3 (elementwise): the softmax numerators, written once in the consumer's dtype
+    weights = jnp.exp(x * inv_t - m[:, None]).astype(weights_dtype)[:, :vocab].reshape(*lead, vocab)
+  target = row_group if row_group is not None else max(1, (1 << 19) // padded)
+  u = _row_uniforms(key, rows, _largest_divisor(rows, target))
+  samples = _inverse_cdf(u, x, inv_t, m, block_sums, block)
+  return StepStatistics(samples=samples.reshape(lead), argmax=argmax.astype(jnp.int32).reshape(lead),
+                        entropy=token_entropy.reshape(lead), weights=weights, total=s.reshape(lead))
+
+
+def sample_argmax_entropy(key: Array, logits: Array, temperature, *, chunk_size: int = 2048,
+                          row_group: int | None = None) -> tuple[Array, Array, Array]:
+  """Sample, argmax and entropy of `softmax(logits / temperature)` in two vectorised passes (`step_statistics`).
+
+  logits `[..., V]`; returns `(samples, argmax, entropy)` of shape `[...]` (int32, int32, float32): equal in
+  distribution to `sample_tokens(key, logits / T)`, equal to `argmax_canvas(logits / T)` (ties: the first index)
+  and to `entropy(logits / T)` up to float rounding. Instead of a Gumbel draw per vocabulary entry (on a CPU,
+  256 x 32k random numbers cost about as much as a forward pass) it draws one uniform per position and inverts the
+  CDF over blocks of 128 tokens.
+  """
+  stats = step_statistics(key, logits, temperature, chunk_size=chunk_size, row_group=row_group)
+  return stats.samples, stats.argmax, stats.entropy
 
 
 # ---- acceptance rules ---------------------------------------------------------------------------------------------
@@ -156,8 +241,9 @@ def _ascending_rank(values: Array) -> tuple[Array, Array, Array]:
   """Stable ascending sort along the last axis -> (order, sorted values, rank of each position)."""
   order = jnp.argsort(values, axis=-1, stable=True)
   sorted_values = jnp.take_along_axis(values, order, axis=-1)
-  positions = jnp.broadcast_to(jnp.arange(values.shape[-1], dtype=jnp.int32), values.shape)
-  rank = jnp.put_along_axis(jnp.zeros(values.shape, jnp.int32), order, positions, axis=-1, inplace=False)
+  # the inverse permutation by a second sort, not a scatter (XLA:CPU may lower a scatter to a loop over every
+  # position, i.e. a trip count that grows with the batch)
+  rank = jnp.argsort(order, axis=-1).astype(jnp.int32)
   return order, sorted_values, rank
 
 
@@ -170,10 +256,10 @@ def accept_entropy_bound(token_entropy: Array, bound) -> Array:
   exactly equal entropies straddle the bound.
   """
   token_entropy = token_entropy.astype(jnp.float32)
-  order, sorted_entropy, _ = _ascending_rank(token_entropy)
+  _, sorted_entropy, rank = _ascending_rank(token_entropy)
   cumulative = jnp.cumsum(sorted_entropy, axis=-1)
   sorted_accept = (cumulative - sorted_entropy) <= bound
-  return jnp.put_along_axis(jnp.zeros(token_entropy.shape, bool), order, sorted_accept, axis=-1, inplace=False)
+  return jnp.take_along_axis(sorted_accept, rank, axis=-1)  # [B, C] back in position order
 
 
 def accept_top_k(token_entropy: Array, k) -> Array:
