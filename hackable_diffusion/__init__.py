@@ -10,6 +10,7 @@ from typing import Any
 
 _LAZY = {
     "ModelConfig": "hackable_diffusion.model.config",
+    "DiffusionGemmaConfig": "hackable_diffusion.model.config",
     "RopeConfig": "hackable_diffusion.model.config",
     "get_preset": "hackable_diffusion.model.config",
     "DiffusionGemma": "hackable_diffusion.model.transformer",
@@ -19,6 +20,11 @@ _LAZY = {
     "SamplingConfig": "hackable_diffusion.sampling.config",
     "generate": "hackable_diffusion.sampling.generate",
     "GenerateOutput": "hackable_diffusion.sampling.generate",
+    "LoraConfig": "hackable_diffusion.lora.adapters",
+    "MeshConfig": "hackable_diffusion.sharding.mesh",
+    "LossConfig": "hackable_diffusion.diffusion.loss",
+    "SFTConfig": "hackable_diffusion.training.sft_config",
+    "SFTTrainer": "hackable_diffusion.training.sft_api",
 }
 
 __all__ = sorted(_LAZY)

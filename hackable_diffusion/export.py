@@ -1,6 +1,7 @@
 """Export a fine-tuned model for serving: a PEFT adapter or a merged Hugging Face checkpoint.
 
   python -m hackable_diffusion.export --workdir=runs/sudoku --out=DIR --format=peft|merged [--dtype=bfloat16]
+      [--quantize=fp8]
       [--step=N] [--base_model=HF_DIR_OR_HUB_ID]
   python -m hackable_diffusion.export --checkpoint=HF_DIR [--adapter=PEFT_DIR] --out=DIR --format=peft|merged
 
@@ -36,6 +37,9 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", None, ["peft", "merged"], "peft: adapter files; merged: a full checkpoint.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
                            "Storage dtype of a merged checkpoint (adapters are written in float32).")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["fp8"], "--format=merged only: write the linear layers in "
+                              "compressed-tensors FP8 (per-channel weight scales, dynamic activations), the format "
+                              "vLLM serves as 'FP8 dynamic'.")
 _BASE = flags.DEFINE_string("base_model", None, "base_model_name_or_path recorded in adapter_config.json.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file or directory to include (default: the run's, "
                                  "or the tokenizer files of --checkpoint).")
@@ -68,21 +72,18 @@ def _source() -> dict:
       raise ConfigError("--adapter goes with --checkpoint; a workdir carries its own adapters")
     if not os.path.isdir(_WORKDIR.value):
       raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
-    from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME
+    from hackable_diffusion.data.tokenizer import find_tokenizer_file
     from hackable_diffusion.training import run as run_lib
 
     run = run_lib.load_run(_WORKDIR.value, step=_STEP.value)
     cfg = run.config
-    canvas = run.model.config.canvas_length
-    sampling = cfg.eval.sampling
-    defaults = dict(max_new_tokens=cfg.eval.max_new_tokens or cfg.data.max_canvases * canvas,
-                    max_denoising_steps=cfg.eval.early_stopping_steps, entropy_bound=sampling.entropy_bound,
-                    t_min=sampling.t_min, t_max=sampling.t_max, stability_threshold=sampling.stability_threshold,
-                    confidence_threshold=sampling.confidence_threshold)
-    tokenizer = os.path.join(_WORKDIR.value, TOKENIZER_FILENAME)
-    return dict(model=run.model, base=cfg.model.checkpoint or None, tokenizer=tokenizer if os.path.isfile(tokenizer)
-                else None, vision=cfg.model.checkpoint or None, defaults=defaults,
-                what=f"{_WORKDIR.value} step {run.step}", preset=cfg.model.preset)
+    # the workdir itself: copy_tokenizer copies tokenizer.json/.model, tokenizer_config.json, chat_template.jinja
+    has_tok = find_tokenizer_file(_WORKDIR.value) is not None
+    return dict(model=run.model, base=cfg.model.checkpoint or None, tokenizer=_WORKDIR.value if has_tok else None,
+                vision=cfg.model.checkpoint or None,
+                defaults=run_lib.generation_defaults(cfg, run.model.config),
+                what=f"{_WORKDIR.value} step {run.step}" + (f" (preset {cfg.model.preset!r})" if cfg.model.preset
+                                                            else ""))
   if _STEP.value is not None:
     raise ConfigError("--step goes with --workdir")
   from hackable_diffusion.interop import export as export_lib
@@ -92,7 +93,7 @@ def _source() -> dict:
   has_tok = any(os.path.isfile(os.path.join(_CHECKPOINT.value, n)) for n in export_lib.TOKENIZER_FILES)
   what = _CHECKPOINT.value + (f" + {_ADAPTER.value}" if _ADAPTER.value else "")
   return dict(model=model, base=_CHECKPOINT.value, tokenizer=_CHECKPOINT.value if has_tok else None,
-              vision=_CHECKPOINT.value, defaults=None, what=what, preset="")
+              vision=_CHECKPOINT.value, defaults=None, what=what)
 
 
 def main(argv: list[str]) -> None:
@@ -102,30 +103,25 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--out is required (the directory to write)")
   if not _FORMAT.value:
     raise ConfigError("--format is required: 'peft' (adapter files) or 'merged' (a full checkpoint)")
+  if _QUANTIZE.value and _FORMAT.value != "merged":
+    raise ConfigError(f"--quantize={_QUANTIZE.value} goes with --format=merged (a PEFT adapter stays float32)")
   check_out(_OUT.value, workdir=_WORKDIR.value, sources=(_CHECKPOINT.value or "", _ADAPTER.value or ""),
             overwrite=_OVERWRITE.value)  # before the (slow) load
   from hackable_diffusion.interop import export as export_lib
   from hackable_diffusion.lora import has_lora
 
   src = _source()
-  tokenizer = _TOKENIZER.value or src["tokenizer"]
+  written = export_lib.export_model(src["model"], _OUT.value, _FORMAT.value, base=_BASE.value or src["base"],
+                                    tokenizer_path=_TOKENIZER.value or src["tokenizer"],
+                                    generation_defaults=src["defaults"], vision_source=src["vision"],
+                                    dtype=_DTYPE.value, overwrite=_OVERWRITE.value, what=src["what"],
+                                    quantize=_QUANTIZE.value)
   if _FORMAT.value == "peft":
-    if not has_lora(src["model"]):
-      raise ConfigError(f"{src['what']} has no LoRA adapters; use --format=merged")
-    base = _BASE.value or src["base"]
-    if not base:
-      raise ConfigError(
-          f"{src['what']} was trained from preset {src['preset']!r}, not a HF checkpoint, so there is no base "
-          "model for a PEFT adapter; pass --base_model=... (a HF directory with that base) or use --format=merged")
-    written = export_lib.export_peft(src["model"], _OUT.value, base, tokenizer_path=tokenizer,
-                                     overwrite=_OVERWRITE.value)
-    print(f"wrote a PEFT adapter of {src['what']} (base {base}) to {_OUT.value}")
+    print(f"wrote a PEFT adapter of {src['what']} (base {_BASE.value or src['base']}) to {_OUT.value}")
   else:
-    written = export_lib.export_merged(src["model"], _OUT.value, dtype=_DTYPE.value,
-                                       generation_defaults=src["defaults"], tokenizer_path=tokenizer,
-                                       vision_source=src["vision"], overwrite=_OVERWRITE.value)
     merged = " (adapters merged)" if has_lora(src["model"]) else ""
-    print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged} to {_OUT.value}")
+    fp8 = " (linear layers in FP8)" if _QUANTIZE.value else ""
+    print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged}{fp8} to {_OUT.value}")
   for key, value in written.items():
     print(f"  {key}: {value}")
 

@@ -163,3 +163,22 @@ def test_lora_section_applies_its_seed():
   a, b, c = adapters(0), adapters(0), adapters(1)
   assert len(a) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))
   assert any(not np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_schedule_follows_train_steps_and_checkpoint_needs_no_preset():
+  """decay_steps 0 or unset spans the run (a `--config.train.steps` override moves the schedule with it); a model
+  section with only a checkpoint needs no `preset=''`; both set is a one-line error."""
+  base = {"data": {"train_path": "x.jsonl"}}
+  cfg = config_lib.ExperimentConfig.from_config_dict({**base, "train": {"steps": 123}})
+  assert cfg.optimizer.decay_steps == 123 and cfg.model.preset == "tiny"
+  cfg = config_lib.ExperimentConfig.from_config_dict({**base, "train": {"steps": 50},
+                                                     "optimizer": {"decay_steps": 0}})
+  assert cfg.optimizer.decay_steps == 50
+  assert config_lib.ExperimentConfig.from_config_dict(
+      {**base, "optimizer": {"decay_steps": 77}}).optimizer.decay_steps == 77  # explicit: kept
+  shipped = config_lib.load_config_file("sudoku.py", {"train.steps": 40})
+  assert config_lib.ExperimentConfig.from_config_dict(shipped).optimizer.decay_steps == 40
+  cfg = config_lib.ExperimentConfig.from_config_dict({**base, "model": {"checkpoint": "some/dir"}})
+  assert cfg.model.preset == "" and cfg.model.checkpoint == "some/dir"
+  with pytest.raises(config_lib.ConfigError, match=r"set exactly one .* set model.preset=''$"):
+    config_lib.ExperimentConfig.from_config_dict({**base, "model": {"preset": "tiny", "checkpoint": "some/dir"}})

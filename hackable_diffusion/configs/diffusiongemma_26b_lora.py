@@ -46,22 +46,24 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   config.tokenizer = ml_collections.ConfigDict(dict(
-      path=CHECKPOINT + "/tokenizer.model",  # the release's SentencePiece model
-      model_type="unigram",
+      path="checkpoint",  # the release's own tokenizer files (tokenizer.json, tokenizer_config.json, chat template)
+      model_type="char",  # only used by path='train'
+
       vocab_size=0,
   ))
 
   config.data = ml_collections.ConfigDict(dict(
       generator="",
       generator_args=ml_collections.ConfigDict(),
-      train_path="data/train.jsonl",  # any SFT JSONL: {"prompt": ..., "completion": ...} per line
+      train_path="data/train.jsonl",  # SFT JSONL: {"prompt": ..., "completion": ...} or {"messages": [...]} lines
       validation_path="",
       prompt_field="prompt",
       completion_field="completion",
-      chat_template="<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n",
+      messages_field="messages",  # chat records: the loss is on the final assistant turn only
+      chat_template="tokenizer",  # the checkpoint's jinja chat template (Gemma 4: <|turn>user ... <turn|>)
       max_prompt_length=256,
       max_canvases=1,  # one canvas of 256 completion tokens
-      add_bos=True,
+      add_bos=True,  # not added twice when the chat template writes <bos> itself
       append_eos=True,
       on_overlength="error",  # or 'truncate'
       on_malformed="error",  # or 'skip'
@@ -83,7 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
       peak_lr=1.5e-4,
       end_lr_ratio=0.1,
       warmup_steps=100,
-      decay_steps=STEPS,
+      decay_steps=0,  # 0: the run's train.steps (the schedule follows --config.train.steps)
       schedule="cosine",
       b1=0.95,
       b2=0.99,

@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
       validation_path="",
       prompt_field="prompt",
       completion_field="completion",
-      chat_template="",  # e.g. '<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n'
+      chat_template="",  # e.g. '<|turn>user\n{prompt}<turn|>\n<|turn>model\n', a jinja template, or 'tokenizer'
       max_prompt_length=81,  # the puzzle, one character per cell
       max_canvases=1,  # the 81 solution digits are exactly one canvas
       add_bos=False,
@@ -88,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
       peak_lr=PEAK_LR,
       end_lr_ratio=0.1,
       warmup_steps=50,
-      decay_steps=STEPS,
+      decay_steps=0,  # 0: the run's train.steps (the schedule follows --config.train.steps)
       schedule="cosine",
       b1=0.9,
       b2=0.99,

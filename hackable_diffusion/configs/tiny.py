@@ -25,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   config.tokenizer = ml_collections.ConfigDict(dict(
-      path="train",  # 'train': a char model trained on the training data; or a tokenizer.model path
+      path="train",  # a char model trained on the data; or 'checkpoint', or a tokenizer.json/.model path
       model_type="char",
       vocab_size=0,  # needed for bpe/unigram/word only
   ))
@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
       validation_path="",
       prompt_field="prompt",
       completion_field="completion",
-      chat_template="",  # e.g. '<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n'
+      chat_template="",  # e.g. '<|turn>user\n{prompt}<turn|>\n<|turn>model\n', a jinja template, or 'tokenizer'
       max_prompt_length=8,  # prompt tokens (left-padded)
       max_canvases=1,  # completion canvases: 7 digits + eos fit one canvas of 8
       add_bos=False,
@@ -66,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
       peak_lr=3e-3,
       end_lr_ratio=0.1,
       warmup_steps=20,
-      decay_steps=1000,
+      decay_steps=0,  # 0: the run's train.steps (the schedule follows --config.train.steps)
       schedule="cosine",
       b1=0.9,
       b2=0.99,

@@ -171,10 +171,11 @@ def export_peft(model: nnx.Module, out_dir: str, base_model_name_or_path: str | 
 def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
                   generation_defaults: Mapping[str, Any] | SamplingConfig | None = None,
                   tokenizer_path: str | None = None, vision_source: str | None = None, *,
-                  overwrite: bool = False) -> dict[str, Any]:
+                  overwrite: bool = False, quantize: str | None = None) -> dict[str, Any]:
   """Writes a full HF checkpoint (`config.json`, safetensors, `generation_config.json`, tokenizer).
 
   Adapters, if any, are folded in first (`lora.merge`). `dtype`: 'bfloat16' (default, serving) or 'float32'.
+  `quantize='fp8'`: the linear layers in compressed-tensors FP8 (`interop.fp8_export`; vLLM's "FP8 dynamic").
   `vision_source`: a HF checkpoint whose vision tower is copied (default: a tiny stub; see `hd.save_pretrained`).
   `overwrite`: allow a non-empty `out_dir` (`check_out_dir`; never a run's workdir or the `vision_source`).
   """
@@ -184,7 +185,7 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   vision = (vision_source,) if vision_source and os.path.isdir(vision_source) else ()
   check_out_dir(out_dir, overwrite=overwrite, protect=vision)  # its vision tower is read while writing
   plain = merge(model) if has_lora(model) else model
-  hf.save_pretrained(plain, out_dir, dtype=dtype, vision_source=vision_source)
+  hf.save_pretrained(plain, out_dir, dtype=dtype, vision_source=vision_source, quantize=quantize)
   path = write_json(os.path.join(out_dir, GENERATION_CONFIG_NAME), gen)
   written: dict[str, Any] = {"checkpoint": out_dir, "generation_config": path}
   if tokenizer_path:
@@ -192,5 +193,32 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   return written
 
 
-__all__ = ["GENERATION_CONFIG_NAME", "RUN_WORKDIR_MARKERS", "check_out_dir", "copy_tokenizer", "export_merged",
-           "export_peft", "generation_config", "is_within", "looks_like_run_workdir"]
+EXPORT_FORMATS = ("peft", "merged")
+
+
+def export_model(model: nnx.Module, out_dir: str, format: str, *, base: str | None = None,  # noqa: A002
+                 tokenizer_path: str | None = None, generation_defaults: Mapping[str, Any] | None = None,
+                 vision_source: str | None = None, dtype: str = "bfloat16", overwrite: bool = False,
+                 what: str = "the model", quantize: str | None = None) -> dict[str, Any]:
+  """`export_peft` (format 'peft': the adapters against `base`, a HF directory or Hub id) or `export_merged`
+  (format 'merged'), the one dispatch of the `export` CLI and `hd.SFTTrainer.export`. One-line ConfigError for
+  an unknown format, a model without adapters exported as 'peft', or a PEFT export without a base (`what` names
+  the model in those messages)."""
+  if format not in EXPORT_FORMATS:
+    raise ConfigError(f"format={format!r}; expected one of {EXPORT_FORMATS}")
+  if quantize is not None and format != "merged":
+    raise ConfigError(f"--quantize={quantize} goes with format 'merged' (a PEFT adapter stays float32)")
+  if format == "peft":
+    if not has_lora(model):
+      raise ConfigError(f"{what} has no LoRA adapters; use format 'merged'")
+    if not base:
+      raise ConfigError(f"{what} was not fine-tuned from a HF checkpoint, so there is no base model for a PEFT "
+                        "adapter; name one (--base_model / base=) or use format 'merged'")
+    return export_peft(model, out_dir, base, tokenizer_path=tokenizer_path, overwrite=overwrite)
+  return export_merged(model, out_dir, dtype=dtype, generation_defaults=generation_defaults,
+                       tokenizer_path=tokenizer_path, vision_source=vision_source, overwrite=overwrite,
+                       quantize=quantize)
+
+
+__all__ = ["EXPORT_FORMATS", "GENERATION_CONFIG_NAME", "RUN_WORKDIR_MARKERS", "check_out_dir", "copy_tokenizer",
+           "export_merged", "export_model", "export_peft", "generation_config", "is_within", "looks_like_run_workdir"]

@@ -1,4 +1,4 @@
-"""Our variable paths <-> the tensor names of transformers' DiffusionGemma checkpoints (shared by hf.py, peft.py).
+"""Our variable paths <-> the tensor names of transformers' DiffusionGemma checkpoints (loader, writer, peft.py).
 
 transformers stores the text weights once under `model.decoder.*` (encoder and decoder weights are tied), the
 encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.N.layer_scalar`, and a vision

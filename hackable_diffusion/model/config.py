@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.model import structure
 
 SLIDING = "sliding_attention"
@@ -115,6 +116,12 @@ class ModelConfig:
   attention_structure: str | None = None
 
   def __post_init__(self):
+    for name in ("sliding_rope", "full_rope"):  # a plain dict (e.g. read back from a run's config.json)
+      value = getattr(self, name)
+      if isinstance(value, Mapping):
+        object.__setattr__(self, name, RopeConfig(**value))
+      elif not isinstance(value, RopeConfig):
+        raise ConfigError(f"ModelConfig.{name}={value!r}; expected a RopeConfig or a dict of its fields")
     positive = (
         "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
         "head_dim global_head_dim sliding_window num_experts top_k_experts moe_intermediate_size canvas_length "
@@ -361,6 +368,17 @@ class ModelConfig:
     except (ConfigError, TypeError) as e:
       raise ConfigError(f"{path}: {e}") from None
 
+  @classmethod
+  def from_pretrained(cls, id_or_path: str | os.PathLike[str], **overrides: Any) -> ModelConfig:
+    """The config of a Hugging Face checkpoint: a directory, its config.json, or a Hub id (`owner/name`, resolved
+    by `hackable_diffusion.hub`: the local cache first, `HF_HUB_OFFLINE` honoured)."""
+    path = resolve_model_path(os.fspath(id_or_path))
+    return cls.from_json_file(os.path.join(path, "config.json") if os.path.isdir(path) else path, **overrides)
+
+
+# The model config under the name of transformers' class (`hd.DiffusionGemmaConfig.from_pretrained(...)`).
+DiffusionGemmaConfig = ModelConfig
+
 
 TINY_VISION_CONFIG: dict[str, Any] = {
     "model_type": "gemma4_vision",
@@ -434,6 +452,7 @@ def dims_str(config: ModelConfig) -> str:
 
 
 __all__ = [
-    "ConfigError", "RopeConfig", "ModelConfig", "PRESETS", "get_preset", "config_from_any", "SLIDING", "FULL",
+    "ConfigError", "DiffusionGemmaConfig", "RopeConfig", "ModelConfig", "PRESETS", "get_preset", "config_from_any",
+    "SLIDING", "FULL",
     "TINY_VISION_CONFIG", "dims_str",
 ]

@@ -10,7 +10,8 @@ starts (before any data is read or any step runs):
   tokenizer  path ('train' = a char model trained on the data, saved as workdir/tokenizer.model), model_type
   data       generator (+ generator_args) | train_path / validation_path, fields, chat_template, lengths
   diffusion  -> `diffusion.loss.LossConfig` (loss_variant, schedule, time_eps, self_conditioning_prob, ...)
-  optimizer  -> `training.optimizer.OptimizerConfig` (schedule, Adam, clipping; master_weights: float32 masters of
+  optimizer  -> `training.optimizer.OptimizerConfig` (schedule, Adam, clipping; decay_steps 0 or unset = train.steps,
+             the schedule spans the run; master_weights: float32 masters of
              a bfloat16 model's trainable variables, 'auto' = on for full fine-tuning, off under LoRA)
   train      steps, batch_size, grad_accum_steps, seed, log_every, checkpoint_every, keep_checkpoints, eval_every
   eval       task (+ task_args), split, num_examples, batch_size, step_budgets, early_stopping_steps, ablations;
@@ -34,6 +35,7 @@ from typing import Any
 
 import ml_collections
 
+from hackable_diffusion.data.chat import chat_template_kind
 from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.errors import ConfigError, TrainingError
 from hackable_diffusion.files import read_json, write_json
@@ -44,7 +46,9 @@ from hackable_diffusion.sharding.mesh import MESH_AXES, MeshConfig
 from hackable_diffusion.training.optimizer import OptimizerConfig
 
 CONFIG_FILENAME = "config.json"
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+# the shipped config files: package data (found by bare name from any directory after a plain install); the
+# repository's top-level configs/ is a link to this folder
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora", "mesh")
 
 
@@ -62,22 +66,25 @@ def _positive_int(section: str, name: str, v: Any, *, allow_zero: bool = False) 
 class ModelSection:
   """Which network to train: a preset (fresh init) or a HF checkpoint directory (fine-tune).
 
-  preset: a name in `hackable_diffusion.model.config.PRESETS` ('' when `checkpoint` is set).
-  checkpoint: a HF DiffusionGemma directory loaded with `hd.load_pretrained` ('' for a fresh init).
+  preset: a name in `hackable_diffusion.model.config.PRESETS` ('' when `checkpoint` is set; both unset: 'tiny').
+  checkpoint: a HF DiffusionGemma directory or Hub id loaded with `hd.load_pretrained`, or a previous run's workdir
+    ('' for a fresh init).
   dtype: parameter dtype when loading a checkpoint: 'auto' (the dtype it was saved in, bfloat16 for the released
     models), 'float32', 'bfloat16' or 'float16'.
   overrides: ModelConfig fields. For a fresh init, `vocab_size` defaults to the tokenizer's size.
   """
 
-  preset: str = "tiny"
+  preset: str = ""
   checkpoint: str = ""
   dtype: str = "auto"
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if bool(self.preset) == bool(self.checkpoint):
+    if not self.preset and not self.checkpoint:
+      object.__setattr__(self, "preset", "tiny")
+    if self.preset and self.checkpoint:
       raise ConfigError(f"model: set exactly one of model.preset ({self.preset!r}) and model.checkpoint "
-                        f"({self.checkpoint!r})")
+                        f"({self.checkpoint!r}); to fine-tune the checkpoint set model.preset=''")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(self.overrides) - fields)
     if unknown:
@@ -88,17 +95,20 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenizerSection:
-  """path: 'train' (train a SentencePiece model on the training data, saved as workdir/tokenizer.model) or the
-  path of a tokenizer.model (or a directory holding one). model_type / vocab_size: for 'train' ('char' needs no
-  vocab_size)."""
+  """path: 'auto' (default: 'checkpoint' when model.checkpoint is set, else 'train'), 'train' (train a
+  SentencePiece model on the training data, saved as workdir/tokenizer.model), 'checkpoint' (the tokenizer of
+  model.checkpoint: its tokenizer.json or tokenizer.model, tokenizer_config.json, chat_template.jinja,
+  generation_config.json), or the path of a tokenizer.json / tokenizer.model (or a directory holding one).
+  model_type / vocab_size: for 'train' ('char' needs no vocab_size)."""
 
-  path: str = "train"
+  path: str = "auto"
   model_type: str = "char"
   vocab_size: int = 0
 
   def __post_init__(self):
     if not self.path:
-      raise ConfigError("tokenizer.path is empty; use 'train' or the path of a tokenizer.model")
+      raise ConfigError("tokenizer.path is empty; use 'auto', 'train', 'checkpoint' or the path of a tokenizer.json "
+                        "or tokenizer.model")
     if self.model_type not in ("char", "bpe", "unigram", "word"):
       raise ConfigError(f"tokenizer.model_type={self.model_type!r}; expected char, bpe, unigram or word")
     _positive_int("tokenizer", "vocab_size", self.vocab_size, allow_zero=True)
@@ -124,6 +134,7 @@ class DataSection:
   validation_path: str = ""
   prompt_field: str = "prompt"
   completion_field: str = "completion"
+  messages_field: str = "messages"
   chat_template: str = ""
   max_prompt_length: int = 128
   max_canvases: int = 1
@@ -145,8 +156,10 @@ class DataSection:
       raise ConfigError(f"data.on_overlength={self.on_overlength!r}; expected 'error' or 'truncate'")
     if self.on_malformed not in ("error", "skip"):
       raise ConfigError(f"data.on_malformed={self.on_malformed!r}; expected 'error' or 'skip'")
-    if self.chat_template and "{prompt}" not in self.chat_template:
-      raise ConfigError(f"data.chat_template={self.chat_template!r} must contain '{{prompt}}'")
+    if self.chat_template and chat_template_kind(self.chat_template) == "format" and \
+        "{prompt}" not in self.chat_template:
+      raise ConfigError(f"data.chat_template={self.chat_template!r} must contain '{{prompt}}', be a jinja chat "
+                        f"template, or be 'tokenizer' (the tokenizer's chat template)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,13 +297,17 @@ class ExperimentConfig:
     if isinstance(lora_values.get("target_modules"), list):
       lora_values["target_modules"] = tuple(lora_values["target_modules"])
     lora = _build(LoraConfig, "lora", lora_values, extra=_LORA_SWITCHES)  # validated even when disabled
+    train = _build(TrainSection, "train", sec["train"])
+    optimizer = dict(sec["optimizer"])
+    if optimizer.get("decay_steps", 0) == 0:  # 0 or unset: the schedule spans the run
+      optimizer["decay_steps"] = train.steps
     return cls(
         model=_build(ModelSection, "model", sec["model"]),
         tokenizer=_build(TokenizerSection, "tokenizer", sec["tokenizer"]),
         data=_build(DataSection, "data", sec["data"]),
         diffusion=_build(LossConfig, "diffusion", diffusion, rename={"variant": "loss_variant"}),
-        optimizer=_build(OptimizerConfig, "optimizer", sec["optimizer"]),
-        train=_build(TrainSection, "train", sec["train"]),
+        optimizer=_build(OptimizerConfig, "optimizer", optimizer),
+        train=train,
         eval=_build(EvalSection, "eval", ev, extra=("sampling",)),
         lora=lora if enabled else None,
         lora_seed=lora_seed,
@@ -328,7 +345,8 @@ def config_to_dict(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dic
 
 
 def resolve_config_path(path: str) -> str:
-  """A config file path: as given if it exists, else looked up in the repository's (or cwd's) `configs/`."""
+  """A config file path: as given if it exists, else looked up in the cwd's `configs/`, then in the shipped configs
+  (package data, `CONFIGS_DIR`); `configs/NAME` works from any directory."""
   if not path:
     raise ConfigError("--config is empty; pass a config file, e.g. --config=configs/tiny.py")
   file, sep, arg = path.partition(":")
@@ -341,7 +359,8 @@ def resolve_config_path(path: str) -> str:
     if os.path.isfile(c):
       return c + sep + arg
   available = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".py")) if os.path.isdir(CONFIGS_DIR) else []
-  raise ConfigError(f"config file {file!r} not found (also looked in configs/); available: {available}")
+  raise ConfigError(f"config file {file!r} not found (also looked in ./configs/ and the shipped configs); "
+                    f"available: {available}")
 
 
 def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:

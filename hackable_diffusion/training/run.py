@@ -3,7 +3,7 @@
 Used by every CLI (`train`, `evaluate`, `sample`, `export`) and by the `SFTTrainer`; sampling and export go through
 here, not through the trainer. A run's workdir holds:
 
-  workdir/config.json        the resolved config          workdir/tokenizer.model   the tokenizer used
+  workdir/config.json        the resolved config          workdir/tokenizer.json|.model  the tokenizer
   workdir/checkpoints/<N>/   orbax (see checkpointing.py)  workdir/metrics.jsonl     one JSON object per log step
   workdir/tensorboard/       TensorBoard events            workdir/eval/             reports and plots
   workdir/data/              data written by a built-in generator (data.generator)
@@ -26,8 +26,8 @@ from jax.sharding import Mesh
 
 from hackable_diffusion import lora as lora_lib
 from hackable_diffusion import sharding
-from hackable_diffusion.data.sft import SFTDataConfig, read_records
-from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, train_tokenizer
+from hackable_diffusion.data.sft import SFTDataConfig, format_prompt, read_records
+from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, train_tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.interop.hf import load_config as load_hf_config
@@ -73,25 +73,33 @@ def _training_texts(cfg: ExperimentConfig, path: str) -> list[str]:
   """Prompt (chat template applied) and completion texts of a JSONL file, for training a tokenizer."""
   d = cfg.data
   records = read_records(path, prompt_field=d.prompt_field, completion_field=d.completion_field,
-                         pinned_field=d.pinned_field or None, on_malformed=d.on_malformed)
+                         pinned_field=d.pinned_field or None, on_malformed=d.on_malformed,
+                         messages_field=d.messages_field)
   if not records:
     raise DataError(f"{path}: no records to train a tokenizer on")
   texts = []
   for r in records:
-    texts += [d.chat_template.format(prompt=r.prompt) if d.chat_template else r.prompt, r.completion]
+    texts += [format_prompt(d.chat_template or None, r.prompt), r.completion]
   return texts
 
 
 def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tokenizer:
-  """The run's tokenizer: `workdir/tokenizer.model` if present, else trained on the data or loaded from
-  `tokenizer.path`, then saved into the workdir (evaluation, sampling and export reuse it)."""
-  saved = os.path.join(workdir, TOKENIZER_FILENAME)
+  """The run's tokenizer: the workdir's (tokenizer.json or tokenizer.model) if present, else trained on the data,
+  loaded from the model checkpoint ('checkpoint') or from `tokenizer.path`, then saved into the workdir
+  (evaluation, sampling and export reuse it)."""
   try:
-    if os.path.isfile(saved):
-      return Tokenizer.load(saved)
-    if cfg.tokenizer.path == "train":
+    if find_tokenizer_file(workdir):
+      return Tokenizer.load(workdir)
+    source = cfg.tokenizer.path
+    if source == "auto":
+      source = "checkpoint" if cfg.model.checkpoint else "train"
+    if source == "train":
       tok = train_tokenizer(_training_texts(cfg, train_path), model_type=cfg.tokenizer.model_type,
                             vocab_size=cfg.tokenizer.vocab_size or None)
+    elif source == "checkpoint":
+      if not cfg.model.checkpoint:
+        raise ConfigError("tokenizer.path='checkpoint' needs model.checkpoint (a HF directory or run workdir)")
+      tok = Tokenizer.load(cfg.model.checkpoint)
     else:
       tok = Tokenizer.load(cfg.tokenizer.path)
   except (FileNotFoundError, ValueError) as e:
@@ -104,11 +112,12 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tok
 
 
 def load_run_tokenizer(workdir: str) -> Tokenizer:
-  path = os.path.join(workdir, TOKENIZER_FILENAME)
-  if not os.path.isfile(path):
-    raise CheckpointError(f"{path}: no tokenizer in this workdir (was it written by hackable_diffusion.train?)")
+  path = find_tokenizer_file(workdir)
+  if path is None:
+    raise CheckpointError(f"{workdir}: no tokenizer (tokenizer.json or tokenizer.model) in this workdir (was it "
+                          f"written by hackable_diffusion.train?)")
   try:
-    return Tokenizer.load(path)
+    return Tokenizer.load(workdir)
   except ValueError as e:
     raise CheckpointError(f"{path}: {e}") from None
 
@@ -130,6 +139,9 @@ def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConf
     overrides.setdefault("param_dtype", dtype)
     overrides.setdefault("dtype", dtype)
     model_config = load_hf_config(cfg.model.checkpoint, **overrides)
+    tokenizer.check_model_ids(pad_token_id=model_config.pad_token_id, eos_token_id=model_config.eos_token_ids,
+                              bos_token_id=model_config.bos_token_id,
+                              where=os.path.join(cfg.model.checkpoint, "config.json"))
   else:
     overrides.setdefault("vocab_size", tokenizer.vocab_size)
     for name, tid in (("pad_token_id", tokenizer.pad_id), ("eos_token_id", tokenizer.eos_id),
@@ -225,7 +237,7 @@ def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str,
   try:
     return SFTDataConfig(
         path=path, prompt_field=d.prompt_field, completion_field=d.completion_field,
-        chat_template=d.chat_template or None, max_prompt_length=d.max_prompt_length,
+        messages_field=d.messages_field, chat_template=d.chat_template or None, max_prompt_length=d.max_prompt_length,
         canvas_length=model_config.canvas_length, max_canvases=d.max_canvases, append_eos=d.append_eos,
         add_bos=d.add_bos, on_overlength=d.on_overlength, on_malformed=d.on_malformed, batch_size=batch_size,
         shuffle=shuffle, seed=seed, num_epochs=None, drop_remainder=True, prefetch_batches=d.prefetch_batches,
@@ -290,6 +302,15 @@ def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data
                                   log=log, mesh=mesh)
 
 
+def generation_defaults(cfg: ExperimentConfig, model_config: ModelConfig) -> dict[str, Any]:
+  """The run's evaluation sampler as the generation defaults of an export (`generation_config.json`)."""
+  sampling = cfg.eval.sampling
+  return dict(max_new_tokens=cfg.eval.max_new_tokens or cfg.data.max_canvases * model_config.canvas_length,
+              max_denoising_steps=cfg.eval.early_stopping_steps, entropy_bound=sampling.entropy_bound,
+              t_min=sampling.t_min, t_max=sampling.t_max, stability_threshold=sampling.stability_threshold,
+              confidence_threshold=sampling.confidence_threshold)
+
+
 # ---- a trained run ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LoadedRun:
@@ -347,5 +368,5 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
 
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "build_abstract_model",
            "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
-           "eval_task", "evaluate_model", "is_run_workdir", "load_eval_data", "load_run", "load_run_tokenizer",
-           "make_run_mesh", "model_factory", "sft_data_config"]
+           "eval_task", "evaluate_model", "generation_defaults", "is_run_workdir", "load_eval_data", "load_run",
+           "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]

@@ -1,0 +1,224 @@
+"""The loading plan: which stored tensors of a HF checkpoint fill which variable of our model, checked up front.
+
+Owns the mapping from a checkpoint's stored tensors (located by `locate`) to our variables: `group` sorts every
+stored tensor under the weight it belongs to (skipping the vision tower, activation-quantization scales and tied
+encoder copies; a quantized weight's parts `weight` / `weight_scale` / ... together; per-expert weights under their
+fused expert tensor), and `plan` checks every shape, dtype and scale and returns, per file, the source factory of
+each variable (`interop.placement`), before any tensor is read. Every problem is a one-line `CheckpointError`
+naming the tensor. Dequantization itself: `interop.quantized`; running the plan: `interop.hf.load_weights`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from hackable_diffusion.errors import CheckpointError
+from hackable_diffusion.interop import quantized
+from hackable_diffusion.interop.names import is_vision, tied_decoder_name
+from hackable_diffusion.interop.placement import DequantizedTensor, StoredTensor, TensorSource
+from hackable_diffusion.interop.safetensors_io import read_header, read_tensor
+
+# a per-expert weight (vLLM / llm-compressor layout) -> the fused `experts.gate_up_proj` / `experts.down_proj`
+_PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """Where one stored tensor is: its file, that file's safetensors header and where its tensor data starts."""
+
+  file: str
+  header: Mapping[str, Any]
+  start: int
+
+  def part(self, name: str) -> quantized.StoredPart:
+    return quantized.StoredPart(name, self.header[name]["dtype"], tuple(self.header[name]["shape"]))
+
+
+def locate(files: list[str]) -> dict[str, Location]:
+  """Every stored tensor of `files` (by name) -> its `Location`; reads only the headers."""
+  where: dict[str, Location] = {}
+  for file in files:
+    header, start = read_header(file)
+    where.update({name: Location(file, header, start) for name in header if name != "__metadata__"})
+  return where
+
+
+def _split_part(name: str) -> tuple[str, str]:
+  """A stored name -> (its layer's weight name, part): `X.weight_scale` -> (`X.weight`, 'weight_scale'); any other
+  name is its own weight (`X.weight`, `experts.gate_up_proj`, `layer_scalar`) with part 'weight'."""
+  for part in quantized.WEIGHT_PARTS + quantized.ACTIVATION_PARTS:
+    if name.endswith("." + part):
+      return name[: -len(part)] + "weight", part
+  return name, "weight"
+
+
+@dataclasses.dataclass
+class Layer:
+  """The stored parts (part -> stored name) of one weight, and the file of its first part."""
+
+  file: str
+  parts: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _stored_parts(layer: Layer, where: Mapping[str, Location]) -> dict[str, quantized.StoredPart]:
+  return {part: where[name].part(name) for part, name in layer.parts.items()}
+
+
+def _read_stored(name: str, where: Mapping[str, Location]) -> np.ndarray:
+  loc = where[name]
+  return read_tensor(loc.file, name, loc.header, loc.start)
+
+
+def _dense_or_dequantized(layer: Layer, where: Mapping[str, Location]) -> np.ndarray:
+  """A (checked) layer's value in the stored layout: the dense tensor, or float32 dequantized from its parts."""
+  if quantized.quantized_kind(layer.parts) is None:
+    return _read_stored(layer.parts["weight"], where)
+  return quantized.dequantize(quantized.read_quantized(layer.parts, lambda name: _read_stored(name, where)))
+
+
+def _check_layer(key: str, layer: Layer, where: Mapping[str, Location],
+                 config: quantized.QuantizationConfig | None) -> tuple[int, ...]:
+  """The stored (torch-layout) dense shape of one layer, after checking its parts (`quantized.check_quantized`)."""
+  parts = _stored_parts(layer, where)
+  shape = quantized.check_quantized(key, layer.file, parts, config)
+  return parts["weight"].shape if shape is None else shape
+
+
+def _check_shape(file: str, name: str, stored_shape: tuple[int, ...], var: nnx.Variable, transpose: bool) -> None:
+  shape = stored_shape[::-1] if transpose else stored_shape
+  if shape != tuple(var.shape):
+    expected = tuple(var.shape[::-1]) if transpose else tuple(var.shape)
+    raise CheckpointError(f"{file}: tensor {name!r} has shape {stored_shape}, expected {expected}")
+
+
+def _fused_expert_name(match: re.Match[str]) -> str:
+  return match["experts"] + (".down_proj" if match["proj"] == "down_proj" else ".gate_up_proj")
+
+
+def _stacked_experts(target: str, pieces: Mapping[tuple[int, str], str], layers: Mapping[str, Layer],
+                     where: Mapping[str, Location], config: quantized.QuantizationConfig | None,
+                     var: nnx.Variable) -> Callable[[], np.ndarray]:
+  """Checks the per-expert weights of one fused expert tensor `target` and returns its reader: `gate_up_proj`
+  `[E, 2I, H]` stacks `experts.N.gate_proj` then `up_proj` (`[I, H]` each), `down_proj` `[E, H, I]` stacks
+  `experts.N.down_proj`."""
+  num, *rest = var.shape
+  projs = ("gate_proj", "up_proj") if target.endswith("gate_up_proj") else ("down_proj",)
+  piece_shape = (rest[0] // len(projs), rest[1])
+  prefix = target.rsplit(".", 1)[0]
+  for (index, proj), key in sorted(pieces.items()):
+    if index >= num:
+      raise CheckpointError(f"{layers[key].file}: unexpected tensor {key!r} "
+                            f"(the model has {num} experts)")
+  for index in range(num):
+    for proj in projs:
+      key = f"{prefix}.{index}.{proj}.weight"
+      if (index, proj) not in pieces:
+        raise CheckpointError(f"{layers[next(iter(pieces.values()))].file}: missing tensor {key!r} "
+                              f"(the other experts of {target!r} are stored one by one)")
+      layer = layers[key]
+      stored = _check_layer(key, layer, where, config)
+      if tuple(stored) != piece_shape:
+        raise CheckpointError(f"{layer.file}: tensor {key!r} has shape {tuple(stored)}, expected {piece_shape}")
+
+  def read() -> np.ndarray:
+    out = np.empty(tuple(var.shape), np.float32)
+    for index in range(num):
+      for j, proj in enumerate(projs):
+        key = f"{prefix}.{index}.{proj}.weight"
+        out[index, j * piece_shape[0]:(j + 1) * piece_shape[0]] = _dense_or_dequantized(layers[key], where)
+    return out
+
+  return read
+
+
+@dataclasses.dataclass
+class Grouped:
+  """A checkpoint's tensors grouped by the variable they fill."""
+
+  layers: dict[str, Layer]  # weight name (decoder side) -> its stored parts (per-expert weights included)
+  experts: dict[str, dict[tuple[int, str], str]]  # fused expert name -> {(index, proj): per-expert weight name}
+  skipped_vision: int = 0
+  skipped_activation: int = 0
+
+
+def group(names: Mapping[str, Any], where: Mapping[str, Location],
+          config: quantized.QuantizationConfig | None) -> Grouped:
+  """Groups every stored tensor by its weight (skipping the vision tower, activation scales and tied encoder copies
+  whose decoder copy is stored); one-line `CheckpointError` for an unexpected tensor."""
+  stored_keys = {_split_part(name)[0] for name in where}
+  out = Grouped({}, {})
+  for name, loc in where.items():
+    if is_vision(name):
+      out.skipped_vision += 1
+      continue
+    key, part = _split_part(name)
+    if part in quantized.ACTIVATION_PARTS and config is not None:
+      out.skipped_activation += 1
+      continue
+    if key not in names and tied_decoder_name(key) is not None:
+      decoder_key = tied_decoder_name(key)
+      if decoder_key in stored_keys:
+        continue  # the decoder copy of this tied weight is stored too
+      key = decoder_key  # a tied encoder copy stored explicitly
+    match = _PER_EXPERT.match(key) if key not in names else None
+    if match is not None and (target := _fused_expert_name(match)) in names:
+      if target in stored_keys:
+        raise CheckpointError(f"{loc.file}: tensor {name!r} is stored beside the fused {target!r}; expected one")
+      out.experts.setdefault(target, {})[(int(match["index"]), match["proj"])] = key
+    elif key not in names:
+      raise CheckpointError(f"{loc.file}: unexpected tensor {name!r} (not part of a DiffusionGemma text model)")
+    layer = out.layers.setdefault(key, Layer(loc.file))
+    if part in layer.parts:
+      raise CheckpointError(f"{loc.file}: tensor {name!r} is stored twice (also as {layer.parts[part]!r})")
+    layer.parts[part] = name
+  return out
+
+
+# opens the source of one variable, given the safetensors handle of the file being read
+SourceFactory = Callable[[Any], TensorSource]
+
+
+def _dequantized_source(name: str, shape: tuple[int, ...], transpose: bool,
+                        read: Callable[[], np.ndarray]) -> SourceFactory:
+  # a fresh object per placement: its dequantized value is freed once the variable is placed
+  return lambda _handle: DequantizedTensor(name, shape, transpose, read)
+
+
+def plan(grouped: Grouped, names: Mapping[str, Any], variables: Mapping[Any, nnx.Variable],
+         where: Mapping[str, Location], config: quantized.QuantizationConfig | None,
+         files: list[str]) -> dict[str, list[tuple[str, SourceFactory]]]:
+  """(variable's HF name, source factory) lists keyed by the file of each variable's first stored part, after
+  checking every shape, dtype and scale (nothing is read yet)."""
+  out: dict[str, list[tuple[str, SourceFactory]]] = {file: [] for file in files}
+  for key, layer in grouped.layers.items():
+    if key not in names:
+      continue  # a per-expert piece: read with its fused tensor
+    var_path, transpose = names[key]
+    var = variables[var_path]
+    stored_shape = _check_layer(key, layer, where, config)
+    _check_shape(layer.file, layer.parts.get("weight", key), tuple(stored_shape), var, transpose)
+    if quantized.quantized_kind(layer.parts) is None:
+      loc = where[layer.parts["weight"]]
+      factory = functools.partial(StoredTensor, loc.file, layer.parts["weight"], tuple(var.shape), transpose,
+                                  loc.header, loc.start)
+    else:
+      factory = _dequantized_source(key, tuple(var.shape), transpose,
+                                    functools.partial(_dense_or_dequantized, layer, where))
+    out[layer.file].append((key, factory))
+  for target, pieces in grouped.experts.items():
+    var_path, transpose = names[target]
+    var = variables[var_path]
+    read = _stacked_experts(target, pieces, grouped.layers, where, config, var)
+    out[grouped.layers[min(pieces.values())].file].append(
+        (target, _dequantized_source(target, tuple(var.shape), transpose, read)))
+  return out
+
+
+__all__ = ["Grouped", "Layer", "Location", "SourceFactory", "group", "locate", "plan"]
