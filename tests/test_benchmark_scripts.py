@@ -82,6 +82,7 @@ def _report_rows(*args: str) -> dict[str, list[float]]:
   return rows
 
 
+@pytest.mark.slow  # compiles the 30-layer smoke model whole and at 6 + 12 layers: ~75 s; run with -m slow
 def test_memory_report_extrapolation_matches_a_whole_compile():
   """scripts/memory_report.py on its tiny 30-layer model: the sampler case compiled at 6 + 12 layers and extrapolated
   to 30 gives the arguments (exactly linear in the layers) of the whole 30-layer compile; temporaries are positive."""

@@ -7,6 +7,15 @@ and every query attends to the cache slots at or before its own position (slidin
 canvas. On sliding layers only the last `sliding_window - 1` cached positions are visible, which is what the
 reference's sliding cache keeps (transformers `DynamicSlidingWindowLayer`).
 
+Cost scales with the prompt: when the cache is at least twice a sliding layer's key span (and of at least
+`BAND_MIN_CAPACITY` slots), the encoder computes that layer over the band only (`banded_encoder_attention`: query
+chunks of `window // 4`, each against its own `chunk + window - 1` gathered slots, O(L x window) instead of
+O(L x S)) and the decoder reads only the `window - 1` prefix slots (`sliding_prefix`). Full layers stay O(L x S)
+in FLOPs; for long prompts they run one query chunk at a time (`chunked_encoder_attention`), so their scores need
+O(chunk x S) memory. Blocks with head_dim <= 256 run through `jax.nn.dot_product_attention` (XLA here; the shape
+cuDNN's flash attention accepts), wider heads through `attend_einsum`. All paths compute the same function within
+fp32 rounding (tests/model/test_attention.py keeps the original dense implementation as the reference).
+
 Slot `j` of the cache holds position `j` (prompt positions are a plain `arange`, also with left padding), so
 positions and slots coincide and a per-row `length` lets one batch hold prefixes of different lengths (training
 decodes a different canvas per example).
@@ -23,7 +32,7 @@ from hackable_diffusion.model import layers
 from hackable_diffusion.model.config import SLIDING, ModelConfig
 
 Array = jax.Array
-_NEG = -1e30  # additive mask value; rows always keep at least one visible key
+_NEG = -1e30  # masked score; a row with no visible key (a padding query) becomes uniform
 
 
 @flax.struct.dataclass
@@ -62,14 +71,18 @@ def write_rows(cache: Array, new: Array, start: Array) -> Array:
   return jax.vmap(one)(cache, new.astype(cache.dtype), start)
 
 
+def _visible(valid: Array, slots: Array, q_pos: Array, window: int | None) -> Array:
+  """valid/slots [..., S] (a key's flag and slot), q_pos [..., L] -> [..., L, S] bool: causal (+ sliding window)."""
+  k, q = slots[..., None, :], q_pos[..., :, None]
+  mask = valid[..., None, :] & (k <= q)
+  if window is not None:
+    mask &= k > q - window
+  return mask
+
+
 def encoder_mask(valid: Array, q_pos: Array, window: int | None) -> Array:
   """valid [B, S], q_pos [B, L] -> [B, L, S] bool: causal (+ sliding window of `window` keys incl. itself)."""
-  slots = jnp.arange(valid.shape[1])[None, None, :]
-  q = q_pos[:, :, None]
-  mask = valid[:, None, :] & (slots <= q)
-  if window is not None:
-    mask &= slots > q - window
-  return mask
+  return _visible(valid, jnp.arange(valid.shape[1])[None, :], q_pos, window)
 
 
 def decoder_prefix_mask(valid: Array, length: Array, window: int | None) -> Array:
@@ -81,15 +94,21 @@ def decoder_prefix_mask(valid: Array, length: Array, window: int | None) -> Arra
   return mask
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
-  """Grouped-query attention with scaling 1.0 (q/k norms replace 1/sqrt(d)).
+# Blocks whose head_dim fits cuDNN's flash attention (<= 256) go through `jax.nn.dot_product_attention`; wider
+# heads (the 512-dim full layers) through the einsum below. Both are the same XLA computation on CPU.
+FUSED_MAX_HEAD_DIM = 256
 
-  q [B, L, N, D], k/v [B, S, Nkv, D], mask broadcastable to [B, N or 1, L, S] -> [B, L, N, D].
+
+def attend_einsum(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
+  """Grouped-query attention with scaling 1.0 (q/k norms replace 1/sqrt(d)), fp32 scores and softmax.
+
+  q [B, L, N, D], k/v [B, S, Nkv, D], mask [B, L, S] or [B, N, L, S] bool -> [B, L, N, D].
+  A row with no visible key attends uniformly to all S keys (only queries at padding positions have none).
   """
   b, l, n, d = q.shape
   nkv = k.shape[2]
-  qg = q.reshape(b, l, nkv, n // nkv, d)
-  scores = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32)
+  qg = q.reshape(b, l, nkv, n // nkv, d)  # [B, L, kv, group, D]
+  scores = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32)  # [B, kv, group, L, S]
   if mask.ndim == 3:  # [B, L, S]
     mask = mask[:, None, None]
   else:  # [B, N, L, S]
@@ -98,6 +117,133 @@ def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
   return out.reshape(b, l, n, d)
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
+  """`attend_einsum`'s function, through `jax.nn.dot_product_attention` where the head_dim allows (fp32 softmax,
+  scale 1.0, GQA by its kv-head grouping; its mask is `[B, 1 or N, L, S]`). Float64 compute (the float64 parity
+  checks, scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax in float32."""
+  if q.shape[-1] > FUSED_MAX_HEAD_DIM or jnp.dtype(dtype).itemsize > 4:
+    return attend_einsum(q, k, v, mask, dtype)
+  mask = mask[:, None] if mask.ndim == 3 else mask
+  out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0)
+  return out.astype(dtype)
+
+
+# ---- banded sliding-window attention ------------------------------------------------------------------------------
+# A sliding layer's query at position p sees at most the keys in slots (p - window, p]. Queries are cut into chunks
+# of C consecutive positions; chunk i (positions q0 .. q0 + C - 1) reads the span of C + window - 1 slots ending at
+# its last query, so the scores cost L x (C + window - 1) per head instead of L x S. With C = window / 4 that is
+# <= 1.25x the band itself (L x window). The span is gathered with a clamped `dynamic_slice` per (row, chunk); the
+# mask is computed from the slots actually gathered, so clamping at either end of the cache changes nothing.
+BAND_CHUNK_FRACTION = 4  # C = window // 4
+BAND_MIN_CAPACITY = 1024  # smaller caches keep the dense path (banding tiny problems only adds gathers)
+
+
+def band_chunk(num_queries: int, window: int) -> int:
+  """Query chunk size C of the banded path (all queries in one chunk when there are fewer than window // 4)."""
+  return max(1, min(num_queries, window // BAND_CHUNK_FRACTION))
+
+
+def band_pays(num_queries: int, capacity: int, window: int | None) -> bool:
+  """Whether a sliding layer's encoder pass takes the banded path: a cache of at least `BAND_MIN_CAPACITY` slots
+  and at least twice the key span of a query chunk."""
+  if window is None or capacity < BAND_MIN_CAPACITY:
+    return False
+  return 2 * (band_chunk(num_queries, window) + window - 1) <= capacity
+
+
+def _gather_spans(x: Array, first: Array, span: int) -> Array:
+  """x [B, S, ...], first [B, n] (slots, in range) -> [B, n, span, ...]: slots first .. first + span - 1."""
+  one = lambda row, f: jax.lax.dynamic_slice_in_dim(row, f, span, axis=0)
+  return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(x, first)
+
+
+def banded_encoder_attention(q: Array, cache_k: Array, cache_v: Array, valid: Array, start: Array, window: int,
+                             dtype) -> Array:
+  """Causal sliding-window attention of `q [B, L, N, D]` at positions `start [B] + arange(L)` over the (written)
+  cache `[B, S, kv, D]` with `valid [B, S]`, computed over each query chunk's key span only -> [B, L, N, D].
+
+  Same function as `attend(q, cache_k, cache_v, encoder_mask(valid, start + arange(L), window))` on every query
+  that sees a key (a query at a padding position sees none: its output is unspecified, as in the dense path).
+  """
+  b, l, n, d = q.shape
+  s = cache_k.shape[1]
+  c = band_chunk(l, window)
+  num_chunks = -(-l // c)
+  span = c + window - 1
+  chunk_pos = c * jnp.arange(num_chunks, dtype=jnp.int32)  # [n]: offset of each chunk's first query
+  first = jnp.clip(start[:, None] + chunk_pos[None, :] - (window - 1), 0, s - span)  # [B, n]
+  slots = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [B, n, span]
+  q_pos = start[:, None, None] + chunk_pos[None, :, None] + jnp.arange(c, dtype=jnp.int32)  # [B, n, C]
+  mask = _visible(_gather_spans(valid, first, span), slots, q_pos, window)  # [B, n, C, span]
+  keys = _gather_spans(cache_k, first, span).astype(dtype).reshape(b * num_chunks, span, *cache_k.shape[2:])
+  values = _gather_spans(cache_v, first, span).astype(dtype).reshape(b * num_chunks, span, *cache_v.shape[2:])
+  qc = jnp.pad(q, ((0, 0), (0, num_chunks * c - l), (0, 0), (0, 0))).reshape(b * num_chunks, c, n, d)
+  out = attend(qc, keys, values, mask.reshape(b * num_chunks, c, span), dtype)  # [B*n, C, N, D]
+  return out.reshape(b, num_chunks * c, n, d)[:, :l]
+
+
+# ---- query-chunked dense attention (full layers, long prompts) ---------------------------------------------------
+# A full layer's query sees every earlier slot, so its FLOPs stay O(L x S); its memory need not: queries in chunks
+# of FULL_QUERY_CHUNK, one chunk at a time (`lax.map`), each chunk recomputed in the backward pass
+# (`jax.checkpoint`), hold fp32 scores `[B, kv, group, C, S]` instead of `[B, kv, group, L, S]`.
+FULL_QUERY_CHUNK = 1024
+
+
+def chunked_encoder_attention(q: Array, keys: Array, values: Array, valid: Array, start: Array, window: int | None,
+                              dtype, chunk: int) -> Array:
+  """`attend(q, keys, values, encoder_mask(valid, start + arange(L), window))` one query chunk at a time.
+
+  q [B, L, N, D], keys/values [B, S, kv, D] (in `dtype`), valid [B, S], start [B] -> [B, L, N, D].
+  """
+  b, l, n, d = q.shape
+  num_chunks = -(-l // chunk)
+  qc = jnp.pad(q, ((0, 0), (0, num_chunks * chunk - l), (0, 0), (0, 0))).reshape(b, num_chunks, chunk, n, d)
+
+  @jax.checkpoint
+  def one(args: tuple[Array, Array]) -> Array:
+    q_chunk, offset = args  # [B, C, N, D], []
+    q_pos = start[:, None] + offset + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [B, C]
+    return attend(q_chunk, keys, values, encoder_mask(valid, q_pos, window), dtype)
+
+  offsets = chunk * jnp.arange(num_chunks, dtype=jnp.int32)
+  out = jax.lax.map(one, (jnp.moveaxis(qc, 1, 0), offsets))  # [n, B, C, N, D]
+  return jnp.moveaxis(out, 0, 1).reshape(b, num_chunks * chunk, n, d)[:, :l]
+
+
+def encoder_attention(q: Array, cache_k: Array, cache_v: Array, valid: Array, start: Array, window: int | None,
+                      dtype) -> Array:
+  """Encoder-mode attention of `q [B, L, N, D]` (positions `start + arange(L)`) over the written cache: banded on
+  sliding layers when it pays (`band_pays`), else dense over all S slots with `encoder_mask`, one query chunk at a
+  time when there are at least 2 x `FULL_QUERY_CHUNK` queries. -> [B, L, N, D]."""
+  b, l = q.shape[:2]
+  if band_pays(l, cache_k.shape[1], window):
+    return banded_encoder_attention(q, cache_k, cache_v, valid, start, window, dtype)
+  keys, values = cache_k.astype(dtype), cache_v.astype(dtype)
+  if l >= 2 * FULL_QUERY_CHUNK and cache_k.shape[1] >= BAND_MIN_CAPACITY:
+    return chunked_encoder_attention(q, keys, values, valid, start, window, dtype, FULL_QUERY_CHUNK)
+  q_pos = start[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+  return attend(q, keys, values, encoder_mask(valid, q_pos, window), dtype)  # mask [B, L, S]
+
+
+def prefix_band_pays(capacity: int, window: int | None) -> bool:
+  """Whether a sliding layer's decoder pass reads only `sliding_prefix`: a cache of at least `BAND_MIN_CAPACITY`
+  slots and at least twice the `window - 1` it keeps."""
+  return window is not None and capacity >= BAND_MIN_CAPACITY and 2 * (window - 1) <= capacity
+
+
+def sliding_prefix(cache_k: Array, cache_v: Array, prefix_mask: Array, window: int) -> tuple[Array, Array, Array]:
+  """The `window - 1` cache slots that can hold a sliding layer's visible prefix in decoder mode.
+
+  cache_k/v [B, S, kv, D], prefix_mask [B, S] (`decoder_prefix_mask`: True only on slots within the last
+  `window - 1` before `length`) -> keys/values [B, window - 1, kv, D] and their mask [B, window - 1]; the span
+  starts at each row's first visible slot (clamped into the cache; a row with none gets an all-False mask).
+  """
+  span = window - 1
+  first = jnp.clip(jnp.argmax(prefix_mask, axis=1), 0, prefix_mask.shape[1] - span)[:, None]  # [B, 1]
+  take = lambda x: _gather_spans(x, first, span)[:, 0]
+  return take(cache_k), take(cache_v), take(prefix_mask)
 
 
 class Attention(nnx.Module):
@@ -138,13 +284,16 @@ class Attention(nnx.Module):
     return q, k, self.v_norm(raw_v)
 
   def encode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, start: Array,
-             mask: Array) -> tuple[Array, Array, Array]:
-    """Causal attention that writes its keys/values into the cache. mask [B, L, S] -> (out, cache_k, cache_v)."""
+             valid: Array) -> tuple[Array, Array, Array]:
+    """Causal attention that writes its keys/values into the cache at `start [B]`.
+
+    valid [B, S]: the cache's `valid` with this pass's tokens already written. -> (out, cache_k, cache_v).
+    """
     b, l, _ = x.shape
     q, k, v = self.qkv(x, cos, sin)
     cache_k = write_rows(cache_k, k, start)
     cache_v = write_rows(cache_v, v, start)
-    out = attend(q, cache_k.astype(self.dtype), cache_v.astype(self.dtype), mask, self.dtype)
+    out = encoder_attention(q, cache_k, cache_v, valid, start, self.window, self.dtype)
     return self.o_proj(out.reshape(b * l, -1)).reshape(b, l, -1), cache_k, cache_v
 
   def decode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, prefix_mask: Array,
@@ -152,6 +301,8 @@ class Attention(nnx.Module):
     """Bidirectional attention over cache + canvas; never writes. prefix_mask [B, S]; canvas_mask [B|1, N|1, C, C]."""
     b, c, _ = x.shape
     q, k, v = self.qkv(x, cos, sin)
+    if prefix_band_pays(cache_k.shape[1], self.window):  # read the window's slots only
+      cache_k, cache_v, prefix_mask = sliding_prefix(cache_k, cache_v, prefix_mask, self.window)
     keys = jnp.concatenate([cache_k.astype(self.dtype), k], axis=1)
     values = jnp.concatenate([cache_v.astype(self.dtype), v], axis=1)
     if canvas_mask is None:

@@ -18,7 +18,7 @@ from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
 from hackable_diffusion.model import head, layers, remat, structure
-from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask, encoder_mask
+from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
 Array = jax.Array
@@ -90,8 +90,8 @@ class DecoderLayer(nnx.Module):
     moe = self.post_feedforward_layernorm_2(moe)
     return h + self.post_feedforward_layernorm(dense + moe)
 
-  def encode(self, x, cos, sin, cache_k, cache_v, start, mask):
-    attn, cache_k, cache_v = self.self_attn.encode(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
+  def encode(self, x, cos, sin, cache_k, cache_v, start, valid):
+    attn, cache_k, cache_v = self.self_attn.encode(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, valid)
     h = x + self.post_attention_layernorm(attn)
     out = self.feed_forward(h) * self.encoder_layer_scalar[...].astype(x.dtype)
     return out, cache_k, cache_v
@@ -188,17 +188,13 @@ class DiffusionGemma(nnx.Module):
     mask_new = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
     valid = jax.vmap(lambda v, m, s: jax.lax.dynamic_update_slice_in_dim(v, m, s, axis=0))(cache.valid, mask_new,
                                                                                              start)
-    masks = {
-        SLIDING: encoder_mask(valid, positions, self.config.sliding_window),
-        FULL: encoder_mask(valid, positions, None),
-    }
     rope = self._rope(positions)
     x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
     keys, values = list(cache.keys), list(cache.values)
     run = _remat(_encode_layer, self.config.remat)
     for i, layer in enumerate(self.layers):
       t = self.config.layer_types[i]
-      x, keys[i], values[i] = run(layer, x, *rope[t], keys[i], values[i], start, masks[t])
+      x, keys[i], values[i] = run(layer, x, *rope[t], keys[i], values[i], start, valid)
       x = sharding.constrain(x, _RESIDUAL)
     new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
     return self.norm(x), new_cache

@@ -332,6 +332,8 @@ def run_trainer() -> dict:
       "data.prefetch_batches": 0,
       # as run_train: Adam's update a smooth function of the gradient, and a first step that moves the weights
       "optimizer.warmup_steps": 0, "optimizer.peak_lr": 1e-3, "optimizer.eps": 1e-3,
+      # one schedule for the 5 straight steps and the 3 + 2 resumed ones (0 would follow each run's train.steps)
+      "optimizer.decay_steps": 1000,
       # a small evaluation: 7 examples in batches of 3 (3, 3, 1: padded to 4 rows on fsdp=4), two runs
       "eval.num_examples": 7, "eval.batch_size": 3, "eval.step_budgets": (3,), "eval.early_stopping_steps": 3,
   }
