@@ -20,11 +20,6 @@ ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.jinja", "*.txt")
 _TRUE = ("1", "on", "yes", "true")
 
 
-def is_hub_id(value: str) -> bool:
-  """Whether `value` has the form of a Hub model id (`owner/name[@revision]`) and is not an existing path."""
-  return bool(_HUB_ID.match(value)) and not os.path.exists(value)
-
-
 def hub_offline() -> bool:
   """`HF_HUB_OFFLINE` as set now (read at each call, not when huggingface_hub was imported)."""
   return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
@@ -69,4 +64,4 @@ def resolve_model_path(id_or_path: str, *, cache_dir: str | None = None) -> str:
     raise CheckpointError(f"{repo_id}: download failed: {' '.join(str(e).split())[:200]}") from None
 
 
-__all__ = ["ALLOW_PATTERNS", "hub_offline", "is_hub_id", "resolve_model_path"]
+__all__ = ["ALLOW_PATTERNS", "hub_offline", "resolve_model_path"]
