@@ -174,18 +174,6 @@ class LoRALinear(nnx.Linear):
     return y + ((h @ self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)).astype(y.dtype)
 
 
-class _ExpertMath:
-  """`layers.Experts`' computation applied to given (adapted) weight arrays."""
-
-  __call__ = layers.Experts.__call__
-  _dense = layers.Experts._dense
-  _ragged = layers.Experts._ragged
-
-  def __init__(self, gate_up_proj: Array, down_proj: Array, dtype, impl: str, intermediate: int):
-    self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
-    self.dtype, self.impl, self.intermediate = dtype, impl, intermediate
-
-
 class LoRAExperts(layers.Experts):
   """`layers.Experts` whose 3-D weights get per-expert low-rank updates (PEFT `target_parameters` semantics).
 
@@ -215,16 +203,14 @@ class LoRAExperts(layers.Experts):
     b = getattr(self, f"{name}_lora_b")[...].astype(jnp.float32)
     return self.scale * jnp.einsum("eir,ero->eoi", a, b)
 
-  def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
-    eff = {}
-    for name in EXPERT_PARAMS:
-      w = getattr(self, name)[...].astype(self.dtype)
-      if name in self.targets:
-        a = getattr(self, f"{name}_lora_a")[...].astype(self.dtype)
-        b = getattr(self, f"{name}_lora_b")[...].astype(self.dtype)
-        w = w + jnp.einsum("eir,ero->eoi", a, b) * jnp.asarray(self.scale, self.dtype)
-      eff[name] = w
-    return _ExpertMath(eff["gate_up_proj"], eff["down_proj"], self.dtype, self.impl, self.intermediate)(x, weights, idx)
+  def expert_weights(self) -> tuple[Array, Array]:
+    """The base weights (as `layers.Experts` reads them) plus the low-rank updates, in the compute dtype."""
+    eff = dict(zip(EXPERT_PARAMS, super().expert_weights()))
+    for name in self.targets:
+      a = getattr(self, f"{name}_lora_a")[...].astype(self.dtype)
+      b = getattr(self, f"{name}_lora_b")[...].astype(self.dtype)
+      eff[name] = eff[name] + jnp.einsum("eir,ero->eoi", a, b) * jnp.asarray(self.scale, self.dtype)
+    return eff["gate_up_proj"], eff["down_proj"]
 
 
 # ---- finding targets --------------------------------------------------------------------------------------------

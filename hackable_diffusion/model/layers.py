@@ -160,41 +160,56 @@ class Experts(nnx.Module):
     self.down_proj = param(rngs, init, (num_experts, hidden, intermediate), param_dtype, ("expert", "embed", "mlp"))
     self.dtype, self.impl, self.intermediate = dtype, impl, intermediate
 
+  def expert_weights(self) -> tuple[Array, Array]:
+    """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype: the one place the kernels read the weights.
+
+    Subclasses change what is read (LoRA updates, a quantized base dequantized here, inside the layer).
+    """
+    return self.gate_up_proj[...].astype(self.dtype), self.down_proj[...].astype(self.dtype)
+
   def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
     """x [T, H], weights/idx [T, K] -> [T, H]."""
-    if self.impl == "ragged":
-      return self._ragged(x, weights, idx)
-    if self.impl == "dense":
-      return self._dense(x, weights, idx)
-    gate_up = self.gate_up_proj[...].astype(self.dtype)
-    return tiled_experts(x, weights, idx, gate_up, self.down_proj[...].astype(self.dtype))
+    gate_up, down = self.expert_weights()
+    return experts_forward(self.impl, x, weights, idx, gate_up, down)
 
-  def _dense(self, x: Array, weights: Array, idx: Array) -> Array:
-    num_experts = self.gate_up_proj.shape[0]
-    gate_up = self.gate_up_proj[...].astype(self.dtype)
-    down = self.down_proj[...].astype(self.dtype)
-    # combine[T, E]: routing weight of each expert for each token (0 when not selected)
-    combine = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)
-    h = jnp.einsum("th,eih->eti", x, gate_up)  # [E, T, 2I]
-    h = gelu_tanh(h[..., : self.intermediate]) * h[..., self.intermediate:]
-    y = jnp.einsum("eti,ehi->eth", h, down)  # [E, T, H]
-    return jnp.einsum("eth,te->th", y.astype(jnp.float32), combine).astype(x.dtype)
 
-  def _ragged(self, x: Array, weights: Array, idx: Array) -> Array:
-    tokens, top_k = idx.shape
-    num_experts = self.gate_up_proj.shape[0]
-    flat_expert = idx.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    xs = x[token_of]  # [T*K, H] sorted by expert
-    gate_up = jnp.swapaxes(self.gate_up_proj[...].astype(self.dtype), 1, 2)  # [E, H, 2I]
-    h = jax.lax.ragged_dot(xs, gate_up, group_sizes)
-    h = gelu_tanh(h[:, : self.intermediate]) * h[:, self.intermediate:]
-    down = jnp.swapaxes(self.down_proj[...].astype(self.dtype), 1, 2)  # [E, I, H]
-    y = jax.lax.ragged_dot(h, down, group_sizes).astype(jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
+def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
+  """The expert mixture `sum_k weights[t, k] * mlp_{idx[t, k]}(x[t])` by `impl` ("tiled", "dense", "ragged").
+
+  x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H].
+  """
+  if impl == "ragged":
+    return ragged_experts(x, weights, idx, gate_up, down)
+  if impl == "dense":
+    return dense_experts(x, weights, idx, gate_up, down)
+  return tiled_experts(x, weights, idx, gate_up, down)
+
+
+def dense_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
+  """Every expert on every token, zero weight for the unselected (the reference the others are tested against)."""
+  num_experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+  # combine[T, E]: routing weight of each expert for each token (0 when not selected)
+  combine = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)
+  h = jnp.einsum("th,eih->eti", x, gate_up)  # [E, T, 2I]
+  h = gelu_tanh(h[..., :intermediate]) * h[..., intermediate:]
+  y = jnp.einsum("eti,ehi->eth", h, down)  # [E, T, H]
+  return jnp.einsum("eth,te->th", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def ragged_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
+  """The (token, expert) pairs sorted by expert through `jax.lax.ragged_dot`."""
+  tokens, top_k = idx.shape
+  num_experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+  flat_expert = idx.reshape(-1)  # [T*K]
+  order = jnp.argsort(flat_expert, stable=True)
+  token_of = order // top_k
+  group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
+  xs = x[token_of]  # [T*K, H] sorted by expert
+  h = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), group_sizes)  # [T*K, 2I]
+  h = gelu_tanh(h[:, :intermediate]) * h[:, intermediate:]
+  y = jax.lax.ragged_dot(h, jnp.swapaxes(down, 1, 2), group_sizes).astype(jnp.float32)  # [T*K, H]
+  y = y * weights.reshape(-1)[order][:, None]
+  return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
 # ---- sparse experts: expert-sorted tiles ---------------------------------------------------------------------
@@ -344,7 +359,7 @@ tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd, symbolic_zeros=True)
 
 def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
                   tile_rows: int | None = None) -> Array:
-  """`Experts._dense`'s function, computing only the selected (token, expert) pairs.
+  """`dense_experts`' function, computing only the selected (token, expert) pairs.
 
   x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. The T*K assignments are grouped
   by expert into tiles of `tile_rows` rows (default `moe_tile_rows`), run through `tile_mlp` and gathered back

@@ -3,7 +3,6 @@ and vmap, with uneven routing (an expert chosen by every token, one chosen by no
 
 from __future__ import annotations
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -51,10 +50,8 @@ def random_routing(tokens: int, top_k: int, num_experts: int, seed: int) -> tupl
 
 
 def dense_reference(x: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-  """`Experts._dense` on given weight arrays gate_up [E, 2I, H], down [E, H, I]."""
-  holder = types.SimpleNamespace(gate_up_proj=gate_up, down_proj=down, dtype=jnp.float32,
-                                 intermediate=down.shape[-1])
-  return layers.Experts._dense(holder, x, weights, idx)
+  """`layers.dense_experts`: every expert on every token (gate_up [E, 2I, H], down [E, H, I])."""
+  return layers.dense_experts(x, weights, idx, gate_up, down)
 
 
 def value_and_grads(experts: layers.Experts, x: jax.Array, weights: jax.Array, idx: jax.Array):
