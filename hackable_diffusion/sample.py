@@ -25,10 +25,10 @@ the box separators '|', '-', '+' (as `formatting.render_grid` draws them) are ig
 column or box is a one-line error. The answer is printed as a grid, then a line saying whether it is valid (a
 complete grid with no clash that keeps every given).
 
-Keys: the prompts of one call are sampled as one batch with the key `fold_in(key(--seed), --batch_index)`, the
-key evaluation uses for its batch number `batch_index` (`eval.seed`). So `--seed=<eval.seed> --batch_index=b`
-with the prompts of evaluation batch b (in order; one prompt when `eval.batch_size=1`) reproduces `evaluate`'s
-completions for them. Interactive mode samples each prompt as its own batch, `--seed` increasing by one.
+Keys: prompt `j` of a call samples with its own key `fold_in(key(--seed), --example_index + j)`, the key evaluation
+uses for its example number `i` (`eval.seed`; a row's result depends on its own key only). So
+`--seed=<eval.seed> --example_index=i` with the prompts of evaluation examples i, i+1, ... (in order) reproduces
+`evaluate`'s completions for them. Interactive mode samples each prompt on its own, `--seed` increasing by one.
 
 Infilling (text): `--seed_canvas=TEXT` starts the completion from TEXT, where every `--placeholder` character
 (default '_') is one free token position (uniform noise at the start) and the rest of TEXT, tokenized piece by
@@ -73,8 +73,8 @@ _T_MIN = flags.DEFINE_float("t_min", None, "Temperature of the last step (defaul
 _T_MAX = flags.DEFINE_float("t_max", None, "Temperature of the first step (default 0.8).")
 _EARLY = flags.DEFINE_bool("early_stopping", True, "Stop a canvas once it is stable and confident.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (evaluation's: the run's eval.seed).")
-_BATCH_INDEX = flags.DEFINE_integer("batch_index", 0, "Sample with the key of evaluation batch number "
-                                    "batch_index: fold_in(key(seed), batch_index).")
+_EXAMPLE_INDEX = flags.DEFINE_integer("example_index", 0, "Sample prompt j with the key of evaluation example "
+                                      "number example_index + j: fold_in(key(seed), example_index + j).")
 _SEED_CANVAS = flags.DEFINE_string("seed_canvas", None, "Infilling: the completion's start; each --placeholder "
                                    "character is a free token, the rest is pinned (see --pinned).")
 _PLACEHOLDER = flags.DEFINE_string("placeholder", "_", "The character of --seed_canvas marking a free position.")
@@ -272,9 +272,9 @@ def live_view(tokenizer: Any):
 
 
 def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed: int, callback: Any = None,
-           chat_template: str | None = None, task: Any = None, batch_index: int = 0,
+           chat_template: str | None = None, task: Any = None, example_index: int = 0,
            seed_canvas: str | None = None, placeholder: str = "_", pinned: bool = True) -> list[str]:
-  """Completions of `prompts`, sampled as one batch with the key `fold_in(key(seed), batch_index)`.
+  """Completions of `prompts`, prompt `j` sampled with the key `fold_in(key(seed), example_index + j)`.
 
   `task`: whose hooks apply (`resolve_task`; None: the run's evaluation task, none without a run): its
   `seed_canvas` (unless `seed_canvas` text is given, see `infill_canvas`) and `allowed_token_ids`, as evaluation
@@ -315,7 +315,8 @@ def sample(model: Any, tokenizer: Any, prompts: list[str], run_cfg: Any, *, seed
   if seeded is not None:
     kwargs.update(seed_canvas=np.asarray(seeded[0]), pinned=np.asarray(seeded[1]))
   allowed = task.allowed_token_ids(tokenizer) if task is not None else None
-  rng = jax.random.fold_in(jax.random.key(seed), batch_index)
+  rows = jax.numpy.arange(example_index, example_index + len(prompts))
+  rng = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), rows)  # one key per prompt, as evaluation
   out = generate(model, ids, config, rng=rng, attention_mask=mask, allowed_token_ids=allowed, callback=callback,
                  **kwargs)
   seqs = np.asarray(out.sequences)[:, width:]
@@ -341,7 +342,7 @@ def show_completion(completion: str, prompt: str, task_name: str) -> str:
 def _sample_and_show(model: Any, tokenizer: Any, prompts: Sequence[str], run_cfg: Any, task: Any, *, seed: int,
                      callback: Any) -> str:
   completions = sample(model, tokenizer, list(prompts), run_cfg, seed=seed, callback=callback,
-                       chat_template=_CHAT_TEMPLATE.value, task=task, batch_index=_BATCH_INDEX.value,
+                       chat_template=_CHAT_TEMPLATE.value, task=task, example_index=_EXAMPLE_INDEX.value,
                        seed_canvas=_SEED_CANVAS.value, placeholder=_PLACEHOLDER.value, pinned=_PINNED.value)
   name = task.name if task is not None else ""
   sep = "\n\n" if name == "sudoku" else "\n"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("benchmark_train.py", "benchmark_sampler.py")
+SCRIPTS = ("benchmark_train.py", "benchmark_sampler.py", "benchmark_refill.py")
 _NUMBER = r"[0-9][0-9,]*(?:\.[0-9]+)?"
 
 
@@ -52,6 +52,8 @@ def test_benchmark_smoke(script):
     for i in (ours, theirs):
       assert re.fullmatch(_NUMBER, row[i]) and float(row[i].replace(",", "")) > 0, (header[i], row)
     assert re.fullmatch(_NUMBER + "x", row[ratio]) and float(row[ratio][:-1].replace(",", "")) > 0, row
+  if script == "benchmark_refill.py":  # the two loops gave every example the same completion
+    assert all(row[-1] == "yes" for row in rows), rows
   if script == "benchmark_train.py":
     # the two train steps were checked to compute the same loss and gradient norm before timing
     assert re.search(r"parity, step 0: loss ours \S+ torch \S+", proc.stdout), proc.stdout[-3000:]

@@ -95,12 +95,12 @@ def test_sample_solves_a_dotted_puzzle_as_evaluation_does(sudoku_run, loaded_run
   expected = [metrics.parse_prediction(t) for t in texts]
   assert not np.array_equal(expected[0], expected[1])
 
-  b = 1  # evaluation's second batch (eval.batch_size=1): key fold_in(key(eval.seed), 1)
+  b = 1  # evaluation's second example: key fold_in(key(eval.seed), 1)
   puzzle = formatting.parse_grid(data.examples[b].prompt)
   dotted = data.examples[b].prompt.replace("0", ".")
   assert "." in dotted and "0" not in dotted
   capsys.readouterr()
-  sample_cli(f"--workdir={sudoku_run}", f"--prompt={dotted}", f"--seed={cfg.eval.seed}", f"--batch_index={b}",
+  sample_cli(f"--workdir={sudoku_run}", f"--prompt={dotted}", f"--seed={cfg.eval.seed}", f"--example_index={b}",
              "--live")
   out, err = capsys.readouterr()
   lines = out.rstrip("\n").split("\n")
@@ -121,7 +121,7 @@ def test_sample_solves_a_dotted_puzzle_as_evaluation_does(sudoku_run, loaded_run
   lines = iter(pasted + [""])
   monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
   capsys.readouterr()
-  sample_cli(f"--workdir={sudoku_run}", f"--seed={cfg.eval.seed}", "--batch_index=0")
+  sample_cli(f"--workdir={sudoku_run}", f"--seed={cfg.eval.seed}", "--example_index=0")
   out = capsys.readouterr().out
   assert out.startswith(formatting.render_grid(expected[0]) + "\n"), (out, texts[0])
   assert next(lines, None) is None  # every line was read

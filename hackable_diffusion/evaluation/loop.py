@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -38,6 +39,7 @@ from hackable_diffusion.files import write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
+from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
 
 REPORT_PATTERN = "report_step_{step}.json"
 PLOT_PATTERN = "accuracy_vs_steps_step_{step}.png"
@@ -177,38 +179,73 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
                    batch_size: int, rng: jax.Array, mesh: Mesh | None = None) -> tuple[list[str], dict[str, float]]:
   """Generates a completion for every example; returns the decoded texts and sampler statistics.
 
-  Batches of `batch_size` examples are padded to `batch_rows(batch_size, n, mesh)` rows (repeating the first row)
-  so one compiled program serves all of them; with `mesh` they are split over its batch axes (see the module
-  docstring).
-  Start canvases: the task's `seed_canvas` hook, else the data's pinned completion tokens (`pinned_field`), else
-  uniform noise.
+  Example `i` samples with its own key `fold_in(rng, i)` (the per-row loop, `sampling.denoise_rows`), so its
+  completion does not depend on the batch it runs in. On one device the examples stream through `batch_size` slots
+  (`generate_stream`: a row that stops early leaves and the next example takes its slot, so the time follows the
+  steps actually taken); on a mesh, batches of `batch_size` examples are padded to `batch_rows(batch_size, n,
+  mesh)` rows (repeating the first row) and split over its batch axes (see the module docstring). Both give the
+  same completions. Start canvases: the task's `seed_canvas` hook, else the data's pinned completion tokens
+  (`pinned_field`), else uniform noise (drawn per batch of `batch_size` examples, the same either way).
   """
   n = len(data)
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
   width = prompt_ids.shape[1]
   allowed = task.allowed_token_ids(tokenizer)
-  per = min(batch_size, n)  # examples per batch: the same batches (and keys) with and without a mesh
-  bs = batch_rows(batch_size, n, mesh)  # rows per batch: `per`, on a mesh rounded up to its batch shards
-  texts: list[str] = []
-  steps_per_canvas, tpf = [], []
+  per = min(batch_size, n)  # examples per batch: the same batches (and seed canvases) with and without a mesh
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(n))  # [n] one key per example
+  seeds, pins = [], []
   for b, start in enumerate(range(0, n, per)):
+    seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(start, min(start + per, n)), b)
+    if seeded is not None:
+      seeds.append(np.asarray(seeded[0]))
+      pins.append(np.asarray(seeded[1]))
+  seed_ids = np.concatenate(seeds) if seeds else None
+  pinned = np.concatenate(pins) if pins else None
+  if mesh is None:
+    requests = (StreamRequest(prompt_ids[i], prompt_mask[i], None if seed_ids is None else seed_ids[i],
+                              None if pinned is None else pinned[i], keys[i]) for i in range(n))
+    outs = sorted(generate_stream(model, requests, sampling, rng=rng, batch_size=per, prompt_length=width,
+                                  allowed_token_ids=allowed), key=lambda o: o.index)
+    new_tokens = [o.sequence[int(prompt_mask[o.index].sum()):] for o in outs]
+    step_rows = [o.denoising_steps for o in outs]
+    tpf = [o.tokens_per_forward for o in outs]
+  else:
+    new_tokens, step_rows, tpf = _generate_on_mesh(model, data, sampling, allowed, keys, seed_ids, pinned,
+                                                   batch_size=batch_size, mesh=mesh)
+  texts = [tokenizer.decode(t) for t in new_tokens]
+  steps_per_canvas = [s[s > 0].mean() if (s > 0).any() else 0.0 for s in step_rows]
+  stats = {"mean_denoising_steps": float(np.mean(steps_per_canvas)), "tokens_per_forward": float(np.mean(tpf))}
+  return texts, stats
+
+
+def _generate_on_mesh(model: Any, data: EvalData, sampling: SamplingConfig, allowed: Any, keys: jax.Array,
+                      seed_ids: np.ndarray | None, pinned: np.ndarray | None, *, batch_size: int,
+                      mesh: Mesh) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
+  """`generate` over batches on `mesh` with one key per example: (new tokens, forwards per canvas, tokens per
+  forward) per example."""
+  n = len(data)
+  prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
+  per = min(batch_size, n)
+  bs = batch_rows(batch_size, n, mesh)  # rows per batch: `per`, on a mesh rounded up to its batch shards
+  new_tokens, step_rows, tpf = [], [], []
+  for start in range(0, n, per):
     sl = slice(start, min(start + per, n))
     rows = sl.stop - sl.start
     kwargs: dict[str, Any] = {}
-    seeded = _start_canvas(model, tokenizer, data, sampling, task, sl, b)
-    if seeded is not None:
-      seed_ids, pinned = seeded
-      kwargs.update(seed_canvas=_pad_rows(np.asarray(seed_ids), bs), pinned=_pad_rows(np.asarray(pinned), bs))
-    out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=jax.random.fold_in(rng, b),
+    if seed_ids is not None:
+      kwargs.update(seed_canvas=_pad_rows(seed_ids[sl], bs), pinned=_pad_rows(pinned[sl], bs))
+    row_keys = keys[np.concatenate([np.arange(sl.start, sl.stop), np.full(bs - rows, sl.start)])]
+    out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=row_keys,
                    attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, mesh=mesh, **kwargs)
-    seqs = np.asarray(out.sequences)[:rows, width:]
-    texts += [tokenizer.decode(s) for s in seqs]
     steps = np.asarray(out.denoising_steps)[:rows]
-    used = np.maximum((steps > 0).sum(-1), 1)
-    steps_per_canvas += list(steps.sum(-1) / used)
+    canvas = out.sequences.shape[1] - prompt_ids.shape[1]
+    canvas //= steps.shape[1]
+    for tokens, row_steps in zip(np.asarray(out.sequences)[:rows, prompt_ids.shape[1]:], steps):
+      ran = max(int((row_steps > 0).sum()), 1)  # the canvases after the row ended are all pad: as the stream
+      new_tokens.append(tokens[:ran * canvas])
+      step_rows.append(row_steps[:ran])
     tpf += list(np.asarray(out.tokens_per_forward)[:rows])
-  stats = {"mean_denoising_steps": float(np.mean(steps_per_canvas)), "tokens_per_forward": float(np.mean(tpf))}
-  return texts, stats
+  return new_tokens, step_rows, tpf
 
 
 def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task, runs: Sequence[EvalRun], *,

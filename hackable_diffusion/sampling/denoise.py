@@ -119,6 +119,19 @@ def self_conditioning_embeddings(embed: Array, dtype: Any, weights: Array, total
   return soft.astype(dtype) * scale
 
 
+def canvas_logits(model: Any, static: DenoiseStatic, canvas: Array, cache: Any, sc_embeddings: Array, has_sc: Array,
+                  seed_canvas: Array, pinned: Array, allowed: Array, structure: Array) -> Array:
+  """One decoder forward of `canvas [B, C]` (self-conditioning `[B, C, H]` where `has_sc [B]`), its logits
+  `[B, C, V]` float32 restricted to the allowed tokens and with the pinned positions made certain."""
+  hidden = model.decode_hidden(canvas, cache, sc_embeddings, has_sc, structure if static.has_structure else None)
+  logits = model.lm_logits(hidden)  # [B, C, V] float32
+  if static.has_allowed:
+    logits = eb.apply_allowed_tokens(logits, allowed)
+  if static.has_pins:
+    logits = eb.pin_logits(logits, seed_canvas, pinned)
+  return logits
+
+
 # on_step(call_id, canvas_index, step, argmax [B, C], done [B]): host side, through `jax.debug.callback`
 StepHook = Callable[[Any, Any, Any, Any, Any], None]
 
@@ -166,13 +179,8 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
 
     def body(s: DenoiseState) -> DenoiseState:
       steps = s.steps + (~s.done).astype(jnp.int32)
-      hidden = model.decode_hidden(s.canvas, cache, s.sc_embeddings, jnp.broadcast_to(s.has_sc, (batch,)),
-                                   structure if static.has_structure else None)
-      logits = model.lm_logits(hidden)  # [B, C, V] float32
-      if static.has_allowed:
-        logits = eb.apply_allowed_tokens(logits, allowed)
-      if static.has_pins:
-        logits = eb.pin_logits(logits, seed_canvas, pinned)
+      logits = canvas_logits(model, static, s.canvas, cache, s.sc_embeddings, jnp.broadcast_to(s.has_sc, (batch,)),
+                             seed_canvas, pinned, allowed, structure)  # [B, C, V] float32
       temp = eb.temperature(s.step, scalars.num_steps, scalars.t_min, scalars.t_max)
       key, sample_key, noise_key = jax.random.split(s.key, 3)
       # sample_tokens / argmax_canvas / entropy / softmax of transformers' "processed logits" `logits / temp`
@@ -217,5 +225,5 @@ def step_info(canvas_index: Any, step: Any, argmax: Any, done: Any) -> StepInfo:
   return StepInfo(int(canvas_index), int(step), np.asarray(argmax), np.asarray(done))
 
 
-__all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepInfo", "make_denoise",
-           "self_conditioning_embeddings", "step_info"]
+__all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepHook", "StepInfo", "canvas_logits",
+           "make_denoise", "self_conditioning_embeddings", "step_info"]

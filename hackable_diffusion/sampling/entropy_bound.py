@@ -168,8 +168,8 @@ def _inverse_cdf(u: Array, x: Array, inv_t: Array, m: Array, block_sums: Array, 
   return (blk * block + idx).astype(jnp.int32)
 
 
-def step_statistics(key: Array, logits: Array, temperature, *, weights_dtype=None, chunk_size: int = 2048,
-                    row_group: int | None = None) -> StepStatistics:
+def step_statistics(key: Array | None, logits: Array, temperature, *, weights_dtype=None, chunk_size: int = 2048,
+                    row_group: int | None = None, uniforms: Array | None = None) -> StepStatistics:
   """Sample, argmax, entropy (and optionally the softmax weights) of `z = logits / temperature`.
 
   logits `[..., V]` (any float dtype; read as float32). Two passes over the `[R, V]` logits, vectorised over all
@@ -188,11 +188,16 @@ def step_statistics(key: Array, logits: Array, temperature, *, weights_dtype=Non
   equal, entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding of a
   token boundary of the cumulative block masses, which XLA now sums inside one fused reduction (see
   `docs/sampling.md`).
+
+  `temperature` is a scalar or an array broadcastable to the leading shape (a per-row temperature `[B, 1]`);
+  `uniforms` (shape `[...]`, in [0, 1)) replaces the draws from `key` (per-row random streams, `denoise_rows`).
   """
   *lead, vocab = logits.shape
   x = logits.reshape(-1, vocab).astype(jnp.float32)  # [R, V]
   rows = x.shape[0]
   inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
+  if inv_t.ndim:  # one temperature per position: a column against [R, ...]
+    inv_t = jnp.broadcast_to(inv_t, tuple(lead)).reshape(rows, 1)
   block = 128 if vocab > 128 else vocab
   if vocab % block:  # pad the vocabulary with never-chosen tokens
     pad = block - vocab % block
@@ -204,11 +209,12 @@ def step_statistics(key: Array, logits: Array, temperature, *, weights_dtype=Non
   x3 = x.reshape(rows, n_chunks, chunk)  # [R, n, chunk]
   # pass 1: max and first argmax per chunk
   xmax, first = _chunk_max(x3)  # [R, n]
-  chunk_m = xmax * inv_t  # max of z per chunk
+  chunk_m = xmax * inv_t  # max of z per chunk [R, n]
   best_chunk = jnp.argmax(chunk_m, axis=-1)  # first chunk holding the max of z (ties: the earlier chunk)
   argmax = best_chunk * chunk + jnp.take_along_axis(first, best_chunk[:, None], axis=-1)[:, 0]
   # pass 2: chunk-local exponentials, summed per block of 128 tokens; then per chunk, combined in vocabulary order
-  block_sums, block_ent = _block_sums(x3, xmax, inv_t, block)  # [R, n, blocks per chunk]
+  inv_t3 = inv_t if inv_t.ndim == 0 else inv_t[:, :, None]  # against [R, n, chunk]
+  block_sums, block_ent = _block_sums(x3, xmax, inv_t3, block)  # [R, n, blocks per chunk]
   m, s, t = _combine_chunks(chunk_m, jnp.sum(block_sums, axis=-1), jnp.sum(block_ent, axis=-1))
   token_entropy = jnp.log(s) - t / s
   block_sums = (block_sums * jnp.exp(chunk_m - m[:, None])[..., None]).reshape(rows, n_blocks)
@@ -216,7 +222,10 @@ def step_statistics(key: Array, logits: Array, temperature, *, weights_dtype=Non
   if weights_dtype is not None:  # pass 3 (elementwise): the softmax numerators, written once in the consumer's dtype
     weights = jnp.exp(x * inv_t - m[:, None]).astype(weights_dtype)[:, :vocab].reshape(*lead, vocab)
   target = row_group if row_group is not None else max(1, (1 << 19) // padded)
-  u = _row_uniforms(key, rows, _largest_divisor(rows, target))
+  if uniforms is not None:
+    u = jnp.asarray(uniforms, jnp.float32).reshape(rows)
+  else:
+    u = _row_uniforms(key, rows, _largest_divisor(rows, target))
   samples = _inverse_cdf(u, x, inv_t, m, block_sums, block)
   return StepStatistics(samples=samples.reshape(lead), argmax=argmax.astype(jnp.int32).reshape(lead),
                         entropy=token_entropy.reshape(lead), weights=weights, total=s.reshape(lead))

@@ -29,6 +29,7 @@ by the logical-axis rules of `hackable_diffusion.sharding`; the sequences are th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +93,10 @@ def generate(
     model: a `DiffusionGemma` (anything with `config`, `init_cache`, `encode`, `decode`).
     input_ids: `[B, P]` prompt ids (left padding allowed with `attention_mask`).
     config: a `SamplingConfig` (None: defaults); None fields are filled from `model.config`.
-    rng: a `jax.random` key; the whole call is a deterministic function of it.
+    rng: a `jax.random` key; the whole call is a deterministic function of it. Or one key per row (`[B]` keys,
+      e.g. `jax.random.split(key, B)`): each row then has its own random stream (`sampling.denoise_rows`; canvas
+      `k` starts from `fold_in(row key, k)`), so a row's result depends on its own key and inputs only - the
+      sequences `generate_stream` gives for the same keys. Not with `return_trajectory`.
     attention_mask: `[B, P]` bool/0-1, False on prompt padding.
     seed_canvas: `[B, k * C]` ids that start the first `k` canvases instead of uniform noise (infilling /
       editing; transformers' `decoder_input_ids` for `k = 1`).
@@ -121,8 +125,13 @@ def generate(
               acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh)
   graphdef, state = nnx.split(model)
   encode = programs.encode_program(graphdef, p.mesh)
-  denoise = programs.denoise_program(graphdef, p.static, p.mesh)
   place, to_host = _placement(p.mesh)
+  if p.row_keys is None:
+    denoise = programs.denoise_program(graphdef, p.static, p.mesh)
+  else:
+    denoise = _per_row_denoise(programs.denoise_rows_program(graphdef, p.static, p.key_impl, p.mesh), p, place)
+  if p.row_keys is not None:  # the batch key is unused (one key per row): any single key keeps the loop uniform
+    p = dataclasses.replace(p, rng=jax.random.key(0))
   if p.mesh is None:
     cache = model.init_cache(p.batch, p.cache_capacity)
     key = p.rng
@@ -165,6 +174,23 @@ def generate(
     new_ids, new_mask = block, np.ones((p.batch, p.canvas_length), bool)
     length += p.canvas_length
   return _output(p, blocks, step_counts, trajectories)
+
+
+def _per_row_denoise(program: programs.Program, p: Prepared, place: Callable[[Any], Any]) -> Callable[..., Any]:
+  """The per-row loop (`sampling.denoise_rows`) behind the batch loop's call signature: canvas `k` of row `b`
+  starts from key `fold_in(row key b, k)` (the batch key is not used). Returns (argmax, forwards, no trajectory)."""
+  keys = jax.random.wrap_key_data(jnp.asarray(p.row_keys), impl=p.key_impl)  # [B]
+
+  def denoise(state, cache, key, seed, has_seed, pins, allowed, structure, frozen, scalars, rule_arg, callback=None):
+    del key  # per-row keys
+    canvas_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, scalars.canvas_index)  # [B]
+    key_data = place(np.asarray(jax.random.key_data(canvas_keys)))
+    every = place(np.ones((p.batch,), bool))
+    rows = program(state, cache, None, every, key_data, seed, every & has_seed, pins, ~frozen, allowed, structure,
+                   scalars, rule_arg, jnp.asarray(p.config.max_denoising_steps, jnp.int32), callback=callback)
+    return rows.argmax, rows.steps, None
+
+  return denoise
 
 
 def commit_canvas(block: np.ndarray, finished: np.ndarray, eos: np.ndarray,

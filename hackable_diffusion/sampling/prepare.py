@@ -31,6 +31,8 @@ Array = jax.Array
 class Prepared:
   """The validated inputs of one `generate` call (host numpy arrays unless noted).
 
+  rng: the call's key; row_keys: `[B, ...]` uint32 key data when `rng` holds one key per row (the per-row loop,
+  `sampling.denoise_rows`), else None; key_impl: the keys' implementation name.
   config: the `SamplingConfig`, resolved against the model (eos / pad / canvas length filled in).
   input_ids: `[B, P]` int32. attention_mask: `[B, P]` bool, False on prompt padding.
   seed_canvas: `[B, k * C]` int32 or None. pinned: `[B, k * C]` bool or None (only with a seed canvas).
@@ -42,6 +44,8 @@ class Prepared:
   config: SamplingConfig
   vocab_size: int
   rng: Array
+  row_keys: np.ndarray | None
+  key_impl: str
   input_ids: np.ndarray
   attention_mask: np.ndarray
   seed_canvas: np.ndarray | None
@@ -157,12 +161,18 @@ def _allowed_mask(allowed: Any, batch: int, vocab: int) -> np.ndarray:
   return mask
 
 
-def _check_key(rng: Any) -> None:
-  ok = isinstance(rng, jax.Array) and (
-      jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) or (rng.dtype == jnp.uint32 and rng.shape == (2,)))
-  if not ok or getattr(rng, "ndim", 0) != (0 if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else 1):
-    raise ValueError(f"rng must be a single jax.random key (e.g. jax.random.key(0)), got {type(rng).__name__} "
-                     f"with shape {getattr(rng, 'shape', None)}")
+def _check_key(rng: Any, batch: int) -> tuple[np.ndarray | None, str]:
+  """Checks `rng`: one key, or one key per row (`[B]` typed keys / `[B, 2]` uint32). Returns (the per-row key data
+  `[B, ...]` uint32 or None for a single key, the key implementation's name)."""
+  is_typed = isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  is_raw = isinstance(rng, jax.Array) and rng.dtype == jnp.uint32 and rng.ndim in (1, 2) and rng.shape[-1] == 2
+  if is_typed and rng.ndim == 0 or is_raw and rng.ndim == 1:
+    return None, str(jax.random.key_impl(rng)) if is_typed else "threefry2x32"
+  if is_typed and rng.shape == (batch,) or is_raw and rng.shape == (batch, 2):
+    data = jax.random.key_data(rng) if is_typed else rng
+    return np.asarray(data), str(jax.random.key_impl(rng)) if is_typed else "threefry2x32"
+  raise ValueError(f"rng must be a jax.random key (e.g. jax.random.key(0)) or one key per row (shape ({batch},)), "
+                   f"got {type(rng).__name__} with shape {getattr(rng, 'shape', None)}")
 
 
 def _check_mesh(mesh: Any, batch: int) -> None:
@@ -220,13 +230,15 @@ def prepare(
   """Validates and normalises the arguments of `generate` (same meanings; see there) into a `Prepared`."""
   if config is not None and not isinstance(config, SamplingConfig):
     raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
-  _check_key(rng)
   config = (config or SamplingConfig()).resolve(model.config)
   vocab = int(model.config.vocab_size)
   ids = _int_array("input_ids", input_ids, 2)
   batch, prompt_len = ids.shape
   if batch == 0 or prompt_len == 0:
     raise ValueError(f"input_ids must have at least one row and one token, got shape {ids.shape}")
+  row_keys, key_impl = _check_key(rng, batch)
+  if row_keys is not None and return_trajectory:
+    raise ValueError("generate: return_trajectory needs a single rng key (not one key per row)")
   _check_ids("input_ids", ids, vocab)
   mask = np.ones(ids.shape, bool)
   if attention_mask is not None:
@@ -268,7 +280,8 @@ def prepare(
       trajectory_steps=config.max_denoising_steps if return_trajectory else None,
   )
   return Prepared(
-      config=config, vocab_size=vocab, rng=rng, input_ids=ids.astype(np.int32), attention_mask=mask,
+      config=config, vocab_size=vocab, rng=rng, row_keys=row_keys, key_impl=key_impl,
+      input_ids=ids.astype(np.int32), attention_mask=mask,
       seed_canvas=None if seeds is None else seeds.astype(np.int32), pinned=pins, allowed=allowed,
       structure=structure, rule=rule, rule_arg=rule_arg, callback=callback, return_trajectory=bool(return_trajectory),
       mesh=mesh, static=static)

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hackable_diffusion.sampling import denoise as denoise_lib
+from hackable_diffusion.sampling import denoise_rows as rows_lib
 
 MAX_PROGRAMS = 32
 
@@ -150,5 +151,38 @@ def denoise_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStatic, m
   return PROGRAMS.get(key, "denoise", build)
 
 
+def encode_rows_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Program:
+  """`(state, cache, ids [B, L], mask [B, L], length [B], which [B], reset [B]) -> cache`: the rows `which` get
+  `ids` appended (the `reset` rows after emptying them: a new prompt in a reused slot) and their length set to
+  `length` (rewinding bucket padding); every other row is unchanged. The cache is donated."""
+
+  def build(program: Program) -> Callable[..., Any]:
+    def encode(state, cache, ids, mask, length, which, reset, call_id):
+      del call_id
+      program.on_trace()
+      model = nnx.merge(graphdef, state)
+      start = cache.replace(length=jnp.where(reset, 0, cache.length), valid=cache.valid & ~reset[:, None])
+      _, new = model.encode(ids, start, mask)
+      new = new.replace(length=length)
+      return jax.tree.map(lambda n, o: jnp.where(which.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, cache)
+
+    return encode
+
+  key = ("encode_rows", graphdef) if mesh is None else ("encode_rows", graphdef, mesh)
+  return PROGRAMS.get(key, "encode_rows", build, donate_argnums=(1,))
+
+
+def denoise_rows_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStatic, key_impl: str,
+                         mesh: Mesh | None = None) -> Program:
+  """The compiled chunk of the per-row loop (`denoise_rows.make_denoise_rows`; call it without the call id)."""
+
+  def build(program: Program) -> Callable[..., Any]:
+    return rows_lib.make_denoise_rows(graphdef, static, key_impl, on_trace=program.on_trace,
+                                      on_step=program.on_step if static.has_callback else None)
+
+  key = ("denoise_rows", graphdef, static, key_impl, mesh)
+  return PROGRAMS.get(key, "denoise_rows", build)
+
+
 __all__ = ["MAX_PROGRAMS", "PROGRAMS", "Program", "ProgramCache", "clear_cache", "denoise_program",
-           "encode_program", "trace_counts"]
+           "denoise_rows_program", "encode_program", "encode_rows_program", "trace_counts"]

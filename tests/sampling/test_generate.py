@@ -345,7 +345,7 @@ def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
         (dict(allowed_token_ids=np.zeros(VOCAB, bool)), "allows no token for row 0"),
         (dict(allowed_token_ids=np.ones((2, VOCAB), bool)), "allowed_token_ids as a mask must have shape"),
         (dict(callback=3), "callback must be callable"),
-        (dict(rng=7), "rng must be a single jax.random key"),
+        (dict(rng=7), "rng must be a jax.random key"),
         (dict(config=dict(max_new_tokens=8)), "config must be a SamplingConfig"),
         (dict(acceptance=3), "acceptance: expected an acceptance rule"),
         (dict(acceptance=rules.EntropyBound("a")), "is not a number"),

@@ -1,0 +1,267 @@
+"""`generate_stream`: a serving-style loop over an iterable of prompts that refills finished rows.
+
+A fixed batch runs until its slowest row stops; with early stopping most rows stop long before. Here the batch is
+`batch_size` *slots*. The compiled per-row loop (`sampling.denoise_rows`) runs a chunk of at most `chunk_steps`
+steps; between chunks the host takes every row that stopped out of its slot: it commits the canvas (EOS / pad as
+`generate`), then either encodes it into the slot's KV cache and starts the row's next canvas, or yields the
+finished row and puts the next prompt in the slot (encoded into the slot's cache rows, the other rows untouched).
+Shapes never change, so the two programs (encode rows, denoise chunk) compile once per stream configuration.
+
+Every row has its own key (the request's, else `fold_in(rng, index)`) and its canvas `k` starts from
+`fold_in(key, k)`: a row's sequence depends on its own key and inputs only, and equals what
+`generate(prompts, rng=<the same keys, one per row>)` gives it in one fixed batch (tests/sampling/test_stream.py).
+Prompts are left-padded to `prompt_length` (as `generate` pads a batch to its longest prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hackable_diffusion.sampling import denoise_rows as rows_lib
+from hackable_diffusion.sampling import programs
+from hackable_diffusion.sampling.config import SamplingConfig
+from hackable_diffusion.sampling.denoise import DenoiseScalars
+from hackable_diffusion.sampling.generate import commit_canvas
+from hackable_diffusion.sampling.prepare import Prepared, prepare
+from hackable_diffusion.sampling.rules import AcceptanceRule
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamRequest:
+  """One prompt of a stream. input_ids `[P]`; attention_mask `[P]` (False on left padding; None: all tokens);
+  seed_canvas / pinned `[k * C]` (as `generate`'s rows); key: the row's `jax.random` key (None:
+  `fold_in(rng, index)`)."""
+
+  input_ids: Any
+  attention_mask: Any = None
+  seed_canvas: Any = None
+  pinned: Any = None
+  key: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOutput:
+  """One finished row. index: the request's position in the input; sequence `[P + k * C]` int32: the prompt as
+  given, then the generated canvases (pad after an EOS); denoising_steps `[k]`: decoder forwards per canvas;
+  tokens_per_forward: non-pad new tokens / forwards."""
+
+  index: int
+  sequence: np.ndarray
+  denoising_steps: np.ndarray
+  tokens_per_forward: float
+
+
+@dataclasses.dataclass
+class _Slot:
+  """The host's view of one occupied slot."""
+
+  index: int
+  key: Array  # the row's key
+  request: Prepared  # the request validated as a batch of one
+  canvas: int = 0  # the canvas being denoised
+  length: int = 0  # cache length before that canvas
+  blocks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  steps: list[int] = dataclasses.field(default_factory=list)
+
+
+def _as_request(item: Any) -> StreamRequest:
+  return item if isinstance(item, StreamRequest) else StreamRequest(input_ids=item)
+
+
+def generate_stream(
+    model: Any,
+    requests: Iterable[StreamRequest | Sequence[int]],
+    config: SamplingConfig | None = None,
+    *,
+    rng: Array,
+    batch_size: int = 8,
+    prompt_length: int | None = None,
+    chunk_steps: int = 4,
+    allowed_token_ids: Sequence[int] | Any = None,
+    canvas_attention_mask: Any = None,
+    acceptance: AcceptanceRule | None = None,
+) -> Iterator[StreamOutput]:
+  """Samples every request, `batch_size` rows at a time, refilling a row's slot as soon as it finishes.
+
+  Args:
+    model: a `DiffusionGemma`.
+    requests: prompts (`[P]` id sequences) or `StreamRequest`s; read lazily, one per free slot.
+    config: a `SamplingConfig` (as `generate`).
+    rng: a `jax.random` key; request `i` without its own key uses `fold_in(rng, i)`.
+    batch_size: slots (rows per compiled step).
+    prompt_length: every prompt is left-padded to it (None: the first prompt's length); a longer one is an error.
+    chunk_steps: denoising steps per compiled chunk (finished rows are refilled between chunks).
+    allowed_token_ids / canvas_attention_mask / acceptance: as `generate` (the same for every row;
+      `canvas_attention_mask` with a leading dimension of 1).
+
+  Yields:
+    `StreamOutput`s in the order rows finish (see `index`).
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size={batch_size!r} is invalid: must be an integer >= 1")
+  if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+    raise ValueError(f"chunk_steps={chunk_steps!r} is invalid: must be an integer >= 1")
+  if canvas_attention_mask is not None and np.shape(canvas_attention_mask)[0] != 1:
+    raise ValueError(f"canvas_attention_mask has shape {np.shape(canvas_attention_mask)}: generate_stream needs "
+                     f"one structure for every row (leading dimension 1)")
+  items = iter(enumerate(map(_as_request, requests)))
+  first = next(items, None)
+  if first is None:
+    return
+  width = prompt_length or len(np.asarray(first[1].input_ids).reshape(-1))
+  shared = prepare(model, np.zeros((batch_size, width), np.int32), config, rng=rng,
+                   allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
+                   acceptance=acceptance)
+  static = dataclasses.replace(shared.static, has_pins=True)  # all-False pins change nothing
+  run = _Runner(model, shared, static, batch_size, width)
+  pending = [first]
+  slots: list[_Slot | None] = [None] * batch_size
+  while True:
+    new_prompt = np.zeros(batch_size, bool)
+    for i in range(batch_size):
+      if slots[i] is None:
+        item = pending.pop() if pending else next(items, None)
+        if item is None:
+          continue
+        slots[i] = _Slot(index=item[0], key=_row_key(item[1], rng, item[0]),
+                         request=_validate(model, item[1], shared.config, width, rng))
+        new_prompt[i] = True
+    if not any(s is not None for s in slots):
+      return
+    run.encode_prompts(slots, new_prompt)
+    run.encode_canvases(slots, run.continuing)
+    starting = new_prompt | run.continuing
+    done, argmax, forwards = run.chunk(slots, starting, chunk_steps)
+    run.continuing = np.zeros(batch_size, bool)
+    for i, slot in enumerate(slots):
+      if slot is None or not done[i]:
+        continue
+      block, finished = commit_canvas(argmax[i:i + 1].copy(), np.zeros(1, bool), shared.eos_ids,
+                                      shared.pad_token_id)
+      slot.blocks.append(block[0])
+      slot.steps.append(int(forwards[i]))
+      if finished[0] or len(slot.blocks) == shared.num_canvases:
+        yield _output(slot, shared)
+        slots[i] = None
+      else:
+        slot.canvas += 1
+        run.continuing[i] = True
+
+
+def _row_key(request: StreamRequest, rng: Array, index: int) -> Array:
+  """The row's typed key: the request's own, else `fold_in(rng, index)`."""
+  key = request.key if request.key is not None else jax.random.fold_in(rng, index)
+  return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+
+
+def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width: int, rng: Array) -> Prepared:
+  """The request as a one-row `generate` call (every check of `prepare`), its prompt left-padded to `width`."""
+  ids = np.asarray(request.input_ids)
+  if ids.ndim != 1 or ids.size > width:
+    raise ValueError(f"generate_stream: input_ids of shape {ids.shape}: expected one prompt of at most "
+                     f"prompt_length={width} tokens")
+  given = np.ones(ids.shape, bool) if request.attention_mask is None else np.asarray(request.attention_mask)
+  if given.shape != ids.shape:
+    raise ValueError(f"generate_stream: attention_mask has shape {given.shape}, input_ids {ids.shape}")
+  padded = np.zeros((1, width), ids.dtype if ids.size else np.int32)
+  mask = np.zeros((1, width), bool)
+  padded[0, width - ids.size:], mask[0, width - ids.size:] = ids, given
+  as_row = (lambda x: None if x is None else np.asarray(x)[None])
+  return prepare(model, padded, config, rng=rng, attention_mask=mask, seed_canvas=as_row(request.seed_canvas),
+                 pinned=as_row(request.pinned))
+
+
+def _output(slot: _Slot, shared: Prepared) -> StreamOutput:
+  request = slot.request
+  prompt = request.input_ids[0][request.attention_mask[0]]
+  new = np.concatenate(slot.blocks)
+  pad = shared.pad_token_id
+  valid = int((new != pad).sum()) if pad is not None else new.size
+  steps = np.asarray(slot.steps, np.int32)
+  return StreamOutput(index=slot.index, sequence=np.concatenate([prompt, new]).astype(np.int32),
+                      denoising_steps=steps, tokens_per_forward=valid / max(int(steps.sum()), 1))
+
+
+class _Runner:
+  """The device side of a stream: the model's state, the KV cache and per-row carry, and the per-slot host buffers
+  (seed canvas and pins of the canvas each slot is denoising)."""
+
+  def __init__(self, model: Any, shared: Prepared, static: Any, batch: int, width: int):
+    graphdef, self.state = nnx.split(model)
+    self.shared, self.batch = shared, batch
+    canvas = shared.canvas_length
+    self.bucket = shared.config.bucket_prompt_length(width)
+    self.cache = model.init_cache(batch, self.bucket + (shared.num_canvases - 1) * canvas)
+    self.encode = programs.encode_rows_program(graphdef)
+    self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
+    self.rows = rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype, static.stability_threshold)
+    self.seed = np.zeros((batch, canvas), np.int32)
+    self.pins = np.zeros((batch, canvas), bool)
+    self.continuing = np.zeros(batch, bool)
+    self.allowed = jnp.asarray(shared.allowed) if shared.allowed is not None else jnp.ones((1, 1), bool)
+    self.structure = shared.structure if shared.structure is not None else jnp.ones((1, 1, 1, 1), bool)
+    self.scalars = DenoiseScalars.of(shared.config, 0)
+
+  def encode_prompts(self, slots: list[_Slot | None], which: np.ndarray) -> None:
+    """Empties the cache rows of `which` and encodes their prompts (padded after the tokens to the bucket)."""
+    if not which.any():
+      return
+    ids = np.zeros((self.batch, self.bucket), np.int32)
+    mask = np.zeros((self.batch, self.bucket), bool)
+    lengths = np.zeros(self.batch, np.int32)
+    for i in np.flatnonzero(which):
+      request = slots[i].request
+      p = request.prompt_length
+      ids[i, :p], mask[i, :p] = request.input_ids[0], request.attention_mask[0]
+      lengths[i] = slots[i].length = p
+    self.cache = self.encode(self.state, self.cache, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(lengths),
+                             jnp.asarray(which), jnp.asarray(which))
+
+  def encode_canvases(self, slots: list[_Slot | None], which: np.ndarray) -> None:
+    """Appends the last committed canvas of the rows `which` to their cache rows."""
+    if not which.any():
+      return
+    c = self.shared.canvas_length
+    ids = np.zeros((self.batch, c), np.int32)
+    lengths = np.zeros(self.batch, np.int32)
+    for i in np.flatnonzero(which):
+      ids[i] = slots[i].blocks[-1]
+      lengths[i] = slots[i].length = slots[i].length + c
+    self.cache = self.encode(self.state, self.cache, jnp.asarray(ids), jnp.ones((self.batch, c), bool),
+                             jnp.asarray(lengths), jnp.asarray(which), jnp.zeros(self.batch, bool))
+
+  def chunk(self, slots: list[_Slot | None], starting: np.ndarray,
+            max_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Starts the canvases of `starting`, runs up to `max_steps` steps; returns (done [B], argmax [B, C], forwards
+    [B]) on the host."""
+    key_data = np.zeros((self.batch,) + self._key_shape(), np.uint32)
+    use_seed = np.zeros(self.batch, bool)
+    active = np.array([s is not None for s in slots])
+    for i in np.flatnonzero(starting):
+      slot = slots[i]
+      seed, pins, has_seed = slot.request.canvas_seed(slot.canvas)
+      self.seed[i], self.pins[i], use_seed[i] = seed[0], pins[0], has_seed
+      key_data[i] = np.asarray(jax.random.key_data(jax.random.fold_in(slot.key, slot.canvas)))
+    self.rows = self.denoise(self.state, self.cache, self.rows, jnp.asarray(starting), jnp.asarray(key_data),
+                             jnp.asarray(self.seed), jnp.asarray(use_seed), jnp.asarray(self.pins),
+                             jnp.asarray(active), self.allowed, self.structure, self.scalars, self.shared.rule_arg,
+                             jnp.asarray(max_steps, jnp.int32))
+    done = np.asarray(self.rows.done)
+    if not (done & active).any():
+      return done, np.zeros((self.batch, self.shared.canvas_length), np.int32), np.zeros(self.batch, np.int32)
+    return done, np.asarray(self.rows.argmax), np.asarray(self.rows.steps)
+
+  def _key_shape(self) -> tuple[int, ...]:
+    return jax.random.key_data(jax.random.key(0, impl=self.shared.key_impl)).shape
+
+
+__all__ = ["StreamOutput", "StreamRequest", "generate_stream"]

@@ -1,0 +1,140 @@
+"""Tokens/s of the refilling loop (`hd.generate_stream`) vs fixed batches (`hd.generate`), early stopping on.
+
+Both sample every example with its own key (`fold_in(key(seed), i)`), so both give the same completions (checked and
+printed: equal accuracy by construction); what differs is the time. A fixed batch runs until its slowest row stops;
+the stream refills a slot as soon as its row stops. Tokens/s = examples x generated tokens / wall seconds, each
+loop timed on its second full pass (the first compiles), in one process.
+
+  python scripts/benchmark_refill.py --workdir=runs/sudoku          # a trained run: its evaluation set and sampler
+  python scripts/benchmark_refill.py --workdir=runs/sudoku --examples=300 --batch=64 --chunk_steps=2
+  python scripts/benchmark_refill.py --smoke                        # a random micro model (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hackable_diffusion as hd
+from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
+
+
+def fixed_batches(model: Any, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray | None, pins: np.ndarray | None,
+                  keys: jax.Array, sampling: hd.SamplingConfig, batch: int, allowed: Any) -> list[np.ndarray]:
+  """Every example's new tokens through `generate` in fixed batches of `batch` (the last one padded)."""
+  n, width = ids.shape
+  out = []
+  for start in range(0, n, batch):
+    rows = np.arange(start, start + batch) % n  # the last batch padded with the first examples
+    kwargs = {} if seeds is None else dict(seed_canvas=seeds[rows], pinned=pins[rows])
+    res = hd.generate(model, ids[rows], sampling, rng=keys[rows], attention_mask=mask[rows],
+                      allowed_token_ids=allowed, **kwargs)
+    out += list(np.asarray(res.sequences)[:min(batch, n - start), width:])
+  return out
+
+
+def streamed(model: Any, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray | None, pins: np.ndarray | None,
+             keys: jax.Array, sampling: hd.SamplingConfig, batch: int, allowed: Any,
+             chunk_steps: int) -> tuple[list[np.ndarray], list[float]]:
+  """Every example's new tokens (and mean forwards per canvas) through `generate_stream` with `batch` slots."""
+  n, width = ids.shape
+  requests = (StreamRequest(ids[i], mask[i], None if seeds is None else seeds[i], None if pins is None else pins[i],
+                            keys[i]) for i in range(n))
+  outs = sorted(generate_stream(model, requests, sampling, rng=keys[0], batch_size=batch, prompt_length=width,
+                                chunk_steps=chunk_steps, allowed_token_ids=allowed), key=lambda o: o.index)
+  return [o.sequence[int(mask[o.index].sum()):] for o in outs], [float(o.denoising_steps.mean()) for o in outs]
+
+
+def timed(fn) -> tuple[Any, float]:
+  fn()  # compile
+  t0 = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t0
+
+
+def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int, allowed=None, seed: int = 0,
+            score=None) -> dict[str, Any]:
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(ids.shape[0]))
+  fixed, t_fixed = timed(lambda: fixed_batches(model, ids, mask, seeds, pins, keys, sampling, batch, allowed))
+  (stream, steps), t_stream = timed(lambda: streamed(model, ids, mask, seeds, pins, keys, sampling, batch, allowed,
+                                                     chunk_steps))
+  same = len(fixed) == len(stream) and all(np.array_equal(a[:len(b)], b) for a, b in zip(fixed, stream))
+  tokens = sum(len(s) for s in stream)
+  return {"examples": ids.shape[0], "batch": batch, "chunk": chunk_steps, "refill": tokens / t_stream,
+          "fixed": tokens / t_fixed, "same": same, "steps": float(np.mean(steps)),
+          "score": None if score is None else score(stream)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+  lines = ["| examples | batch | chunk steps | ours tok/s (refill) | fixed-batch tok/s | ratio | steps/canvas | "
+           "solved | same completions |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    solved = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
+    lines.append(f"| {r['examples']} | {r['batch']} | {r['chunk']} | {r['refill']:,.1f} | {r['fixed']:,.1f} | "
+                 f"{r['refill'] / r['fixed']:.2f}x | {r['steps']:.1f} | {solved} | {'yes' if r['same'] else 'NO'} |")
+  return "\n".join(lines)
+
+
+def smoke_case() -> tuple[Any, ...]:
+  """A random micro model whose rows stop at varied steps (near-greedy, every position accepted)."""
+  from flax import nnx
+
+  model = hd.DiffusionGemma(hd.get_preset("tiny"), rngs=nnx.Rngs(0))
+  ids = np.random.default_rng(0).integers(1, model.config.vocab_size, size=(12, 5)).astype(np.int32)
+  sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, max_denoising_steps=8,
+                               confidence_threshold=50.0, stability_threshold=1, t_min=0.01, t_max=0.02,
+                               entropy_bound=float("inf"))
+  return model, ids, np.ones(ids.shape, bool), None, None, sampling, None, None, 4
+
+
+def run_case(workdir: str, examples: int) -> tuple[Any, ...]:
+  """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler."""
+  from hackable_diffusion.evaluation import loop as eval_loop
+  from hackable_diffusion.training import run as run_lib
+
+  run = run_lib.load_run(workdir)
+  cfg, model, tok = run.config, run.model, run.tokenizer
+  data = run_lib.load_eval_data(cfg, model.config, tok, run.paths)
+  n = min(examples, len(data)) if examples else len(data)
+  max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
+  sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
+  task = run_lib.eval_task(cfg)
+  seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)
+                            * model.config.canvas_length)
+  seeds, pins = (None, None) if seeded is None else (np.asarray(seeded[0]), np.asarray(seeded[1]))
+
+  def score(tokens: list[np.ndarray]) -> float:
+    metrics = task.metrics([tok.decode(t) for t in tokens], data.examples[:n])
+    return float(metrics[task.primary_metric])
+
+  return (model, data.records.prompt_ids[:n], data.records.prompt_mask[:n], seeds, pins, sampling,
+          task.allowed_token_ids(tok), score, cfg.eval.batch_size)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", default=None, help="a trained run (e.g. runs/sudoku)")
+  parser.add_argument("--examples", type=int, default=0, help="evaluation examples (0: all)")
+  parser.add_argument("--batch", type=int, default=0, help="rows per batch / slots (0: the run's eval.batch_size)")
+  parser.add_argument("--chunk_steps", type=int, default=4)
+  parser.add_argument("--smoke", action="store_true")
+  args = parser.parse_args(argv)
+  if not (args.smoke or args.workdir):
+    parser.error("pass --workdir=<a trained run> or --smoke")
+  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples)
+  model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
+  batch = args.batch or default_batch
+  row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps,
+                allowed=allowed, score=score)
+  print(table([row]))
+  return 0 if row["same"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

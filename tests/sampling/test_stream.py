@@ -1,0 +1,125 @@
+"""`generate_stream` (refilling slots between chunks of steps) == `generate` with one key per row (one fixed batch).
+
+The per-row loop makes a row's sequence a function of its own key and inputs; these tests check that the refilling
+loop - rows entering slots at different times, next to different neighbours, their KV-cache rows reused - gives
+every row exactly the sequence and step counts the fixed batch gives it, with early stopping at varied steps,
+rows ending at an EOS before the last canvas, and seed canvases with pins.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hackable_diffusion as hd
+from hackable_diffusion.model.config import get_preset
+from hackable_diffusion.sampling import programs
+from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
+
+N = 7  # prompts
+# early stopping at varied steps: near-greedy samples, every position accepted, stop once the argmax is stable
+CONFIG = dict(max_denoising_steps=8, confidence_threshold=50.0, stability_threshold=1, t_min=0.01, t_max=0.02,
+              entropy_bound=float("inf"))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return hd.DiffusionGemma(get_preset("tiny"), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+  return np.random.default_rng(0).integers(1, model.config.vocab_size, size=(N, 5)).astype(np.int32)
+
+
+def _keys(rng, n):
+  return jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(n))
+
+
+def test_refilling_equals_the_fixed_batch_per_row(model, prompts):
+  sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, **CONFIG)
+  rng = jax.random.key(3)
+  fixed = hd.generate(model, prompts, sampling, rng=_keys(rng, N))
+  before = programs.trace_counts().get("denoise_rows", 0)
+  outs = list(generate_stream(model, list(prompts), sampling, rng=rng, batch_size=3, chunk_steps=2))
+  assert programs.trace_counts().get("denoise_rows", 0) - before == 1  # one compile for the whole stream
+  assert sorted(o.index for o in outs) == list(range(N))
+  assert [o.index for o in outs] != list(range(N))  # rows left in the order they finished, not the input order
+  steps = np.asarray(fixed.denoising_steps)
+  for o in outs:
+    ref = np.asarray(fixed.sequences)[o.index]
+    k = len(o.denoising_steps)
+    np.testing.assert_array_equal(o.sequence, ref[:len(o.sequence)])
+    assert (ref[len(o.sequence):] == sampling.resolve(model.config).pad_token_id).all()
+    np.testing.assert_array_equal(o.denoising_steps, steps[o.index, :k])
+    assert o.tokens_per_forward == pytest.approx(float(fixed.tokens_per_forward[o.index]))
+  # the case is not trivial: rows stopped at different steps, and one ended (EOS) before its second canvas
+  assert len({tuple(o.denoising_steps) for o in outs}) > 2
+  assert min(len(o.denoising_steps) for o in outs) == 1 and max(len(o.denoising_steps) for o in outs) == 2
+
+
+def test_a_row_does_not_depend_on_its_batch(model, prompts):
+  sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **CONFIG)
+  keys = jax.random.split(jax.random.key(5), N)
+  whole = hd.generate(model, prompts, sampling, rng=keys)
+  picked = np.array([4, 1])
+  part = hd.generate(model, prompts[picked], sampling, rng=keys[picked])
+  np.testing.assert_array_equal(np.asarray(whole.sequences)[picked], np.asarray(part.sequences))
+  np.testing.assert_array_equal(np.asarray(whole.denoising_steps)[picked], np.asarray(part.denoising_steps))
+
+
+def test_seed_canvas_pins_and_own_keys(model, prompts):
+  c = model.config.canvas_length
+  sampling = hd.SamplingConfig(max_new_tokens=c, **CONFIG)
+  eos = sampling.resolve(model.config).eos_token_ids
+  allowed = [t for t in range(model.config.vocab_size) if t not in eos]  # no EOS: nothing is padded away
+  rs = np.random.default_rng(1)
+  seeds = rs.choice(allowed, size=(N, c)).astype(np.int32)
+  pins = rs.random((N, c)) < 0.4
+  pins[0] = False  # a row without pins next to rows with them
+  keys = jax.random.split(jax.random.key(9), N)
+  fixed = hd.generate(model, prompts, sampling, rng=keys, seed_canvas=seeds, pinned=pins, allowed_token_ids=allowed)
+  requests = [StreamRequest(prompts[i], seed_canvas=seeds[i], pinned=pins[i], key=keys[i]) for i in range(N)]
+  outs = {o.index: o for o in generate_stream(model, requests, sampling, rng=jax.random.key(0), batch_size=2,
+                                              allowed_token_ids=allowed)}
+  for i in range(N):
+    np.testing.assert_array_equal(outs[i].sequence, np.asarray(fixed.sequences)[i])
+    new = outs[i].sequence[prompts.shape[1]:]
+    np.testing.assert_array_equal(new[pins[i]], seeds[i][pins[i]])  # pins held
+
+
+def test_shorter_prompts_are_left_padded_like_a_batch(model, prompts):
+  sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **CONFIG)
+  mask = np.ones(prompts.shape, bool)
+  mask[1, :2] = mask[3, :1] = False  # rows 1 and 3 are shorter (left padding)
+  keys = jax.random.split(jax.random.key(2), N)
+  fixed = hd.generate(model, prompts, sampling, rng=keys, attention_mask=mask)
+  requests = [StreamRequest(prompts[i][mask[i]], key=keys[i]) for i in range(N)]
+  outs = {o.index: o for o in generate_stream(model, requests, sampling, rng=keys[0], batch_size=3,
+                                               prompt_length=prompts.shape[1])}
+  for i in range(N):
+    width = prompts.shape[1]
+    np.testing.assert_array_equal(outs[i].sequence[mask[i].sum():], np.asarray(fixed.sequences)[i, width:])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size=0), "batch_size=0 is invalid"),
+    (dict(chunk_steps=0), "chunk_steps=0 is invalid"),
+    (dict(prompt_length=3), "at most prompt_length=3 tokens"),
+])
+def test_bad_arguments_are_one_line_errors(model, prompts, kwargs, message):
+  with pytest.raises(ValueError, match=message) as e:
+    list(generate_stream(model, list(prompts), hd.SamplingConfig(max_new_tokens=8), rng=jax.random.key(0),
+                         **kwargs))
+  assert "\n" not in str(e.value)
+
+
+def test_a_bad_token_id_names_the_request(model, prompts):
+  bad = prompts.copy()
+  bad[2, 1] = model.config.vocab_size
+  with pytest.raises(ValueError, match="input_ids") as e:
+    list(generate_stream(model, list(bad), hd.SamplingConfig(max_new_tokens=8), rng=jax.random.key(0)))
+  assert "\n" not in str(e.value)
