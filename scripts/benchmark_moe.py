@@ -1,6 +1,12 @@
-"""Speed of the MoE implementations (`ModelConfig.moe_impl`: tiled, dense, ragged) on the current backend.
+"""Speed of the MoE implementations (`ModelConfig.moe_impl`, see `hackable_diffusion/model/moe.py`) on the current
+backend, and what the ragged kernel's program moves on GPU/TPU.
 
-Three measurements, each impl on identical parameters and inputs, timed in interleaved rounds (one call of each
+Impls timed: dense (every expert on every token: the baseline), tiled (expert-sorted tiles in a loop: what
+`moe_impl='auto'` runs on CPU), ragged (sorted tokens through `jax.lax.ragged_dot_general` on the stored HF layout:
+what 'auto' runs on GPU/TPU). `expert_parallel` (ragged per device under `shard_map` over the `expert` mesh axis;
+'auto' under a mesh with expert > 1) needs a mesh and is checked in tests/sharding/test_moe_mesh.py, not timed here.
+
+Four measurements, each impl on identical parameters and inputs, timed in interleaved rounds (one call of each
 impl per round, so that load on a shared machine hits all alike); reported: the minimum wall time, the minimum CPU
 time of this process (`time.process_time`, all threads; steadier than wall time when other processes compete for
 the cores) and both as a ratio to the dense path run in the same process.
@@ -8,6 +14,9 @@ the cores) and both as a ratio to the dense path run in the same process.
   layer   one MoE block (router + experts) on T tokens, forward and gradient (w.r.t. input and parameters)
   decode  a full decoder forward (`model.decode`) over B x C canvas tokens, reading a 32-token encoded prompt
   train   value_and_grad of the SFT loss (`diffusion_loss`: encoder + two decoder passes) of the Sudoku model
+  cost    no timing: the ragged MoE step at the 26B-A4B expert shape (128 experts top-8, hidden 2816,
+          moe_intermediate 704, bf16) lowered for 'cuda' and 'tpu' (on any machine): ragged dots in the program
+          and bytes of transposes / copies of weight-sized arrays (0: the weights are read as stored)
 
 Sizes: `sudoku` (`get_preset('sudoku')`: hidden 128, moe_intermediate 128, 4 experts top-2) and `100m` (hidden
 512, moe_intermediate 512, 8 experts top-2, 8 layers, vocab 32k; scripts/benchmark_train.py's ~100M config).
@@ -15,9 +24,12 @@ Token counts 81 (1 x 81), 648 (8 x 81), 2048 (8 x 256) and, for the Sudoku train
 
   python scripts/benchmark_moe.py                          # everything (~10 min on 2 busy CPU cores)
   python scripts/benchmark_moe.py --parts=layer --sizes=100m --tokens=2048
+  python scripts/benchmark_moe.py --parts=cost --tokens=2048
   python scripts/benchmark_moe.py --smoke                  # tiny shapes, one round (tests)
 
-Measured (XLA:CPU, 2 shared cores, load average 5-6, 5 rounds; min wall ms, ratio to dense; process-CPU agreed):
+Measured before the ragged rewrite (XLA:CPU, 2 shared cores, load average 5-6, 5 rounds; min wall ms, ratio to
+dense; process-CPU agreed). XLA:CPU has no ragged-dot kernel (jax lowers it to a dense masked dot over all
+experts), so ragged is slower than dense on CPU by design; the current numbers are in docs/scaling.md.
 
   measurement                          dense     tiled           ragged
   sudoku layer fwd   T=81 / 648 / 2048 0.5/2.7/9.1   0.72/0.68/0.51  1.58/1.72/1.57
@@ -32,7 +44,9 @@ Measured (XLA:CPU, 2 shared cores, load average 5-6, 5 rounds; min wall ms, rati
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +58,7 @@ from flax import nnx
 
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import moe
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig, get_preset
 from hackable_diffusion.model.transformer import init_model
 
@@ -90,12 +104,12 @@ def layer_fns(cfg: ModelConfig, impls: list[str], tokens: int) -> dict[str, dict
   h = cfg.hidden_size
   kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, std=0.02)
   with nnx.use_eager_sharding(False):
-    router = layers.Router(h, cfg.num_experts, cfg.top_k_experts, eps=cfg.rms_norm_eps, rngs=nnx.Rngs(0), **kw)
+    router = moe.Router(h, cfg.num_experts, cfg.top_k_experts, eps=cfg.rms_norm_eps, rngs=nnx.Rngs(0), **kw)
   x = jax.random.normal(jax.random.key(1), (tokens, h), jnp.float32)  # [T, H]
   out: dict[str, dict[str, Callable[[], Any]]] = {"fwd": {}, "grad": {}}
   for impl in impls:
     with nnx.use_eager_sharding(False):
-      experts = layers.Experts(h, cfg.moe_intermediate_size, cfg.num_experts, rngs=nnx.Rngs(2), impl=impl, **kw)
+      experts = moe.Experts(h, cfg.moe_intermediate_size, cfg.num_experts, rngs=nnx.Rngs(2), impl=impl, **kw)
     graphdef, params = nnx.split((router, experts))
 
     def block(params, x, graphdef=graphdef):
@@ -146,19 +160,63 @@ def train_fns(cfg: ModelConfig, impls: list[str], batch_size: int) -> dict[str, 
   return out
 
 
+def weight_copy_bytes(hlo: str, weight_sizes: set[int]) -> int:
+  """Bytes (read + write) of transposes / copies of arrays with a weight's element count in an HLO module."""
+  itemsize = {"f32": 4, "bf16": 2, "f16": 2}
+  moved = 0
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?\S+ = (\w+)\[([\d,]*)\]\S* (?:transpose|copy)\(", line)
+    if m and m.group(1) in itemsize:
+      n = math.prod(int(d) for d in m.group(2).split(",") if d)
+      moved += 2 * itemsize[m.group(1)] * n if n in weight_sizes else 0
+  return moved
+
+
+def cost_rows(tokens: int) -> list[str]:
+  """The ragged MoE step at the 26B-A4B expert shape, lowered for 'cuda' and 'tpu' (abstract shapes: nothing is
+  allocated): ragged dots and weight-copy bytes, forward and gradient (w.r.t. input and both weights)."""
+  cfg = get_preset("diffusion_gemma_26b_a4b")
+  e, i, h, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.top_k_experts
+  bf16 = jnp.bfloat16
+  gate_up, down = jax.ShapeDtypeStruct((e, 2 * i, h), bf16), jax.ShapeDtypeStruct((e, h, i), bf16)
+  x = jax.ShapeDtypeStruct((tokens, h), bf16)
+  weights, idx = jax.ShapeDtypeStruct((tokens, k), jnp.float32), jax.ShapeDtypeStruct((tokens, k), jnp.int32)
+  weight_bytes = 2 * (e * 2 * i * h + e * h * i)
+
+  def loss(x, weights, idx, gate_up, down):
+    return jnp.sum(moe.ragged_experts(x, weights, idx, gate_up, down).astype(jnp.float32) ** 2)
+
+  rows = []
+  for mode, fn in (("fwd", loss), ("grad", jax.grad(loss, argnums=(0, 3, 4)))):
+    traced = jax.jit(fn).trace(x, weights, idx, gate_up, down)
+    for platform in ("cuda", "tpu"):
+      hlo = traced.lower(lowering_platforms=(platform,)).as_text(dialect="hlo")
+      moved = weight_copy_bytes(hlo, {e * 2 * i * h, e * h * i})
+      rows.append(f"| ragged {mode}, T={tokens}, {platform} | {hlo.count('ragged-dot(')} ragged dots | "
+                  f"{moved / 2**20:.1f} MiB weight copies (weights {weight_bytes / 2**20:.0f} MiB) |")
+  return rows
+
+
 # -------------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--sizes", default="sudoku,100m")
   ap.add_argument("--tokens", default="81,648,2048")
-  ap.add_argument("--impls", default="dense,tiled,ragged", help="comma list; dense is always run (the baseline)")
-  ap.add_argument("--parts", default="layer,decode,train")
+  ap.add_argument("--impls", default="dense,tiled,ragged",
+                  help="comma list of dense, tiled, ragged; dense is always run (the baseline)")
+  ap.add_argument("--parts", default="layer,decode,train", help="comma list of layer, decode, train; or 'cost' alone")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--smoke", action="store_true", help="micro config, 16 tokens, one round")
   args = ap.parse_args(argv)
   if args.smoke:
     args.sizes, args.tokens, args.rounds = "micro", "16", 1
   impls = ["dense"] + [i for i in args.impls.split(",") if i != "dense"]
+  if set(impls) - {"dense", "tiled", "ragged"}:
+    ap.error(f"--impls={args.impls!r}; expected a comma list of dense, tiled, ragged")
+  if args.parts == "cost":
+    for tokens in (int(t) for t in args.tokens.split(",")):
+      print("\n".join(cost_rows(tokens)), flush=True)
+    return
   sizes = args.sizes.split(",")
   token_counts = [int(t) for t in args.tokens.split(",")]
   parts = args.parts.split(",")

@@ -15,6 +15,10 @@ Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusio
      renoise, the next self-conditioning input), batch 8 and 64
   d  case a at batch 1 with remat off and the loss untiled, then with each turned on: what each saves (tiles of 32
      positions, 32 MiB at batch 1, as the recipe's 256 MiB gives at batch 8)
+  q8 QLoRA: case a with the base in FP8 (`lora.base_quantization='fp8'`: float8 values, one fp32 scale per output
+     channel), batch 8 as 4 micro-batches of 2 (target: a 48 GB card, <= 44 GiB); q8p: the same in one pass
+  q4 QLoRA: case a with the base in int4 (blocks of 64 inputs, one bf16 scale each), batch 4 as 2 micro-batches of
+     2 (target: a 24 GB card, <= 22 GiB); q4p: the same in one pass
 
 How the CPU's bf16 converts are kept out (see --validate): XLA:CPU computes every bf16 dot in f32 and keeps f32
 copies of bf16 weights as temporaries (a bf16 [4096, 4096] weight in `x @ w` compiles to a 64 MiB temporary; a GPU
@@ -22,12 +26,16 @@ or TPU has none). So each case is compiled with fp32 parameters and fp32 compute
 reported as: arguments with every parameter at its bf16 size (LoRA adapters, master weights and Adam moments stay
 fp32), temporaries as compiled in fp32. Every activation is then twice its bf16 size, so the temporaries are an
 upper bound on what bf16 compute needs (fp32 parts - softmax, norms, router, logits, loss - are fp32 either way).
-Case b adds the bf16 compute copy of the (sharded) parameters that the master-weights step makes.
+Case b adds the bf16 compute copy of the (sharded) parameters that the master-weights step makes. The QLoRA cases
+keep the quantized values and scales as they are (fp8 / int4 / bf16 scales in the compile too; fp32 FP8 scales) and
+count the rest of the frozen base (embedding, norms, router) at bf16; their dequantized weights are fp32 temporaries,
+twice a GPU's bf16 ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,6 +55,7 @@ from flax import nnx  # noqa: E402
 from hackable_diffusion.data.sft import SFTBatch  # noqa: E402
 from hackable_diffusion.diffusion.loss import LossConfig  # noqa: E402
 from hackable_diffusion.lora.adapters import ALL_LINEAR, LoraConfig, apply_lora  # noqa: E402
+from hackable_diffusion.lora.qlora import QuantizedBase  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: E402
 from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
@@ -60,7 +69,7 @@ UNIT = (GIB, "GiB")  # (bytes, name) of the printed numbers; --smoke prints MiB
 PRESET = "diffusion_gemma_26b_a4b"
 PROMPT, CANVAS = 256, 256
 SMOKE = False  # --smoke: the same cases on a 30-layer model of hidden 32 (tests/test_benchmark_scripts.py)
-CASES = ("a", "b", "b2", "c", "d")
+CASES = ("a", "b", "b2", "c", "d", "q8", "q4", "q8p", "q4p")
 LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
@@ -78,10 +87,12 @@ def model_config(remat: str = "nothing_saveable", dtype: str = "float32"):
   return cfg
 
 
-def abstract_model(cfg, lora: bool):
+def abstract_model(cfg, lora: bool, quantization: str = "none"):
+  config = dataclasses.replace(LORA, base_quantization=quantization, base_block_size=16 if SMOKE else 64)
+
   def build():
     model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
-    return apply_lora(model, LORA, rngs=nnx.Rngs(1)) if lora else model
+    return apply_lora(model, config, rngs=nnx.Rngs(1)) if lora else model
   return nnx.eval_shape(build)
 
 
@@ -138,16 +149,21 @@ def measure(case, *args, full: bool) -> list[dict]:
 
 
 # ---- training ----------------------------------------------------------------------------------------------------
-def lora_step(batch: int, *, remat: str, tile_mib: float, dtype: str = "float32", accum: int = 1) -> tuple[dict, dict]:
-  """Compiled LoRA train step on one device (`accum` micro-batches) -> (XLA analysis, {'frozen': bytes of the frozen
-  base in this compile, ...})."""
+def lora_step(batch: int, *, remat: str, tile_mib: float, dtype: str = "float32", accum: int = 1,
+              quantization: str = "none") -> tuple[dict, dict]:
+  """Compiled LoRA train step on one device (`accum` micro-batches; `quantization`: QLoRA's base) -> (XLA analysis,
+  {'frozen': bytes of the dense frozen base in this compile, 'quantized': of the quantized base, ...})."""
   cfg = model_config(remat, dtype)
-  graphdef, params, rest = nnx.split(abstract_model(cfg, lora=True), nnx.LoRAParam, ...)
+  graphdef, params, rest = nnx.split(abstract_model(cfg, lora=True, quantization=quantization), nnx.LoRAParam, ...)
+  quantized = nnx.state(nnx.merge(graphdef, params, rest), QuantizedBase)
   tx, _ = make_optimizer(OptimizerConfig())
   state = abstract_train_state(params, rest, tx)
   step = make_train_step(graphdef, tx, LossConfig(logits_tile_mib=tile_mib), jit=False, grad_accum_steps=accum)
   compiled = jax.jit(step, donate_argnums=0).lower(state, batch_shapes(batch), KEY).compile()
-  return analysis(compiled), dict(frozen=nbytes(rest), trainable=nbytes(params), opt=nbytes(state.opt_state))
+  packed = sum(int(np.prod(x.shape)) * (0.5 if jnp.dtype(x.dtype) == jnp.dtype(jnp.int4) else
+                                        jnp.dtype(x.dtype).itemsize) for x in jax.tree.leaves(quantized))
+  return analysis(compiled), dict(frozen=nbytes(rest) - nbytes(quantized), quantized=int(packed),
+                                  trainable=nbytes(params), opt=nbytes(state.opt_state))
 
 
 def case_a(batch: int = 8) -> list[dict]:
@@ -161,6 +177,18 @@ def case_a(batch: int = 8) -> list[dict]:
     rows.append(row(f"a: LoRA r8, 1 device, batch {batch}, {how}", args, a["temporaries"],
                     note=f"compiled in {time.time() - t:.0f} s"))
   return rows
+
+
+def case_q(mode: str, batch: int, accum: int) -> list[dict]:
+  """QLoRA (`lora.base_quantization=mode`) at `batch` as `accum` micro-batches (1: one pass)."""
+  t = time.time()
+  a, sizes = lora_step(batch, remat="nothing_saveable", tile_mib=256.0, accum=accum, quantization=mode)
+  # arguments: the dense frozen part (embedding, norms, router) at bf16, the quantized base and adapters as compiled
+  args = a["arguments"] - sizes["frozen"] // 2
+  how = "one pass" if accum == 1 else f"{accum} micro-batches of {batch // accum} (train.grad_accum_steps={accum})"
+  return [row(f"{'q8' if mode == 'fp8' else 'q4'}: QLoRA r8, {mode} base, 1 device, batch {batch}, {how}", args,
+              a["temporaries"], note=f"quantized base {sizes['quantized'] / UNIT[0]:.1f} {UNIT[1]} of the "
+              f"{LAYERS or 'all'}-layer compile's arguments; compiled in {time.time() - t:.0f} s")]
 
 
 def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] = (1, 4)) -> list[dict]:
@@ -251,7 +279,7 @@ def validate() -> None:
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cases", default=",".join(CASES),
-                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),c,d")
+                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),c,d,q8,q4,q8p,q4p")
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",
@@ -271,7 +299,8 @@ def main(argv: list[str]) -> None:
   u = UNIT[1]
   print(f"\n| case | arguments {u} | temporaries {u} | added {u} | total {u} | note |\n|---|---|---|---|---|---|")
   runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))), ("c", case_c, (8,)), ("c", case_c, (64,)),
-          ("d", case_d, ())]
+          ("d", case_d, ()), ("q8", case_q, ("fp8", 8, 4)), ("q4", case_q, ("int4", 4, 2)),
+          ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1))]
   for name, case, case_args in runs:
     if name in cases:
       for r in measure(case, *case_args, full=args.full):

@@ -25,6 +25,7 @@ from hackable_diffusion.interop import fp8_export
 from hackable_diffusion.interop.names import hf_name, is_vision, iter_variables
 from hackable_diffusion.interop.safetensors_io import INDEX_NAME, WEIGHTS_NAME, iter_tensors
 from hackable_diffusion.lora.adapters import has_lora
+from hackable_diffusion.lora.qlora import base_quantization
 from hackable_diffusion.model.config import TINY_VISION_CONFIG
 from hackable_diffusion.model.transformer import DiffusionGemma
 
@@ -81,6 +82,9 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   if has_lora(model):
     raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "
                           "interop.export.export_merged)")
+  if base_quantization(model) != "none":
+    raise CheckpointError(f"the model's base is quantized ({base_quantization(model)}, QLoRA): dequantize it first "
+                          "(hackable_diffusion.lora.merge, or lora.qlora.dequantize_base)")
   if config.attention_structure is not None:
     raise CheckpointError(
         f"model uses attention_structure={config.attention_structure!r}, which transformers/vLLM cannot run; "

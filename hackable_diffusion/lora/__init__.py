@@ -6,14 +6,19 @@
 
 Adapter dropout (`LoraConfig.dropout`) needs an explicit key per step: `rest = lora.set_dropout_key(rest, key)`.
 
+QLoRA: `lora.LoraConfig(..., base_quantization='fp8' | 'int4')` quantizes the frozen base on the device (`lora.qlora`;
+a checkpoint loaded quantized tensor by tensor: `hackable_diffusion.interop.qlora_load`).
+
 PEFT files (adapter_model.safetensors + adapter_config.json) are in `hackable_diffusion.interop.peft`.
 """
 
+from hackable_diffusion.lora import qlora
 from hackable_diffusion.lora.adapters import (ALL_LINEAR, DEFAULT_TARGETS, LoRADropoutKey, LoRAExperts, LoRALinear,
-                                              LoraConfig, apply_lora, has_lora, lora_modules,
-                                              resolve_targets, set_dropout_key, targetable)
+                                              LoraConfig, QLoRAExperts, QLoRALinear, apply_lora, has_lora,
+                                              lora_modules, resolve_targets, set_dropout_key, targetable)
 from hackable_diffusion.lora.merge import adapter_num_params, merge, split
 
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoRADropoutKey", "LoRAExperts", "LoRALinear", "LoraConfig",
+           "QLoRAExperts", "QLoRALinear", "qlora",
            "adapter_num_params", "apply_lora", "has_lora", "lora_modules", "merge", "resolve_targets",
            "set_dropout_key", "split", "targetable"]

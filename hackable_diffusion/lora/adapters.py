@@ -20,6 +20,11 @@ Dropout (on the adapter input, as PEFT) needs an explicit key and is off otherwi
 `rest = set_dropout_key(rest, key)` on the non-trainable state *before* differentiating (a pure tree update; NNX
 forbids mutating variables inside `jax.grad`). Evaluation and sampling never set a key, so they see no dropout.
 Each adapter folds its own index into the key. Expert adapters have no dropout (PEFT cannot express it either).
+
+QLoRA (`LoraConfig.base_quantization='fp8' | 'int4'`): `apply_lora` first quantizes the base (`lora.qlora`: every
+linear layer but the router, and the experts; a base already quantized, e.g. by `interop.qlora_load`, is kept) and
+wraps the quantized modules with `QLoRALinear` / `QLoRAExperts`: the same adapters on a base dequantized inside the
+layer's forward.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hackable_diffusion.model import layers
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.lora import qlora
+from hackable_diffusion.model import moe
 
 Array = jax.Array
 ALL_LINEAR = "all-linear"
@@ -56,6 +62,8 @@ class LoraConfig:
     `self_conditioning.mlp.gate_proj`; or the keyword `"all-linear"` (every linear layer except the router,
     including the self-conditioning MLP; experts excluded). Every regex must match something.
   param_dtype: dtype of the adapter parameters (float32 keeps small updates of a bf16 model exact).
+  base_quantization: 'none' (the base as it is), 'fp8' or 'int4' (QLoRA: the frozen base quantized on the device,
+    dequantized inside each layer's forward; see `lora.qlora`). base_block_size: input elements per int4 scale.
   """
 
   rank: int = 8
@@ -63,6 +71,8 @@ class LoraConfig:
   dropout: float = 0.0
   target_modules: tuple[str, ...] = DEFAULT_TARGETS
   param_dtype: str = "float32"
+  base_quantization: str = qlora.NONE
+  base_block_size: int = 64
 
   def __post_init__(self):
     if isinstance(self.target_modules, str):
@@ -88,6 +98,18 @@ class LoraConfig:
           raise ConfigError(f"LoraConfig.target_modules entry {pattern!r} is not a valid regex ({e})") from None
     if self.param_dtype not in _DTYPES:
       raise ConfigError(f"LoraConfig.param_dtype={self.param_dtype!r} is invalid: expected one of {_DTYPES}")
+    if self.base_quantization not in qlora.MODES:
+      raise ConfigError(f"LoraConfig.base_quantization={self.base_quantization!r} is invalid: expected one of "
+                        f"{qlora.MODES}")
+    if not isinstance(self.base_block_size, int) or isinstance(self.base_block_size, bool) or self.base_block_size < 1:
+      raise ConfigError(f"LoraConfig.base_block_size={self.base_block_size!r} is invalid: expected an integer >= 1")
+
+  @property
+  def quantization(self) -> qlora.QuantizationSpec | None:
+    """The base quantization (`lora.qlora`), None for 'none'."""
+    if self.base_quantization == qlora.NONE:
+      return None
+    return qlora.QuantizationSpec(mode=self.base_quantization, block_size=self.base_block_size)
 
   @property
   def scale(self) -> float:
@@ -144,6 +166,8 @@ class LoRALinear(nnx.Linear):
       setattr(self, name, getattr(base, name))
     self.kernel = base.kernel
     self.bias = base.bias if base.use_bias else nnx.data(None)
+    for name in getattr(base, "QUANTIZED_ATTRS", ()):  # a quantized base: its scales (QLoRALinear)
+      setattr(self, name, getattr(base, name))
     if lora_a.shape[0] != self.in_features or lora_b.shape[1] != self.out_features:
       raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{self.in_features}, "
                        f"{self.out_features}] kernel")
@@ -174,16 +198,18 @@ class LoRALinear(nnx.Linear):
     return y + ((h @ self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)).astype(y.dtype)
 
 
-class LoRAExperts(layers.Experts):
-  """`layers.Experts` whose 3-D weights get per-expert low-rank updates (PEFT `target_parameters` semantics).
+class LoRAExperts(moe.Experts):
+  """`moe.Experts` whose 3-D weights get per-expert low-rank updates (PEFT `target_parameters` semantics).
 
   For each targeted Param `P [E, out, in]` (HF layout): `<P>_lora_a [E, in, r]`, `<P>_lora_b [E, r, out]` and
   the effective weight `P[e] + scale * (a[e] @ b[e]).T`. The base Params keep their paths.
   """
 
-  def __init__(self, base: layers.Experts, *, factors: Mapping[str, tuple[Array, Array]], scale: float):
+  def __init__(self, base: moe.Experts, *, factors: Mapping[str, tuple[Array, Array]], scale: float):
     self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
     self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
+    for name in getattr(base, "QUANTIZED_ATTRS", ()):  # a quantized base: its scales (QLoRAExperts)
+      setattr(self, name, getattr(base, name))
     self.targets = tuple(p for p in EXPERT_PARAMS if p in factors)
     self.scale = float(scale)
     for name in self.targets:
@@ -203,14 +229,33 @@ class LoRAExperts(layers.Experts):
     b = getattr(self, f"{name}_lora_b")[...].astype(jnp.float32)
     return self.scale * jnp.einsum("eir,ero->eoi", a, b)
 
-  def expert_weights(self) -> tuple[Array, Array]:
-    """The base weights (as `layers.Experts` reads them) plus the low-rank updates, in the compute dtype."""
-    eff = dict(zip(EXPERT_PARAMS, super().expert_weights()))
+  def expert_weights(self, **base_kwargs: Any) -> tuple[Array, Array]:
+    """The base weights (as `moe.Experts` reads them; `base_kwargs` go to a quantized base's `expert_weights`) plus
+    the low-rank updates, in the compute dtype."""
+    eff = dict(zip(EXPERT_PARAMS, super().expert_weights(**base_kwargs)))
     for name in self.targets:
       a = getattr(self, f"{name}_lora_a")[...].astype(self.dtype)
       b = getattr(self, f"{name}_lora_b")[...].astype(self.dtype)
       eff[name] = eff[name] + jnp.einsum("eir,ero->eoi", a, b) * jnp.asarray(self.scale, self.dtype)
     return eff["gate_up_proj"], eff["down_proj"]
+
+
+class QLoRALinear(LoRALinear, qlora.QuantizedLinear):
+  """`LoRALinear` on a `qlora.QuantizedLinear`: the base output is `x @ dequantize(kernel)`, computed inside the
+  layer; `delta()` and the adapter path are `LoRALinear`'s."""
+
+
+class QLoRAExperts(LoRAExperts, qlora.QuantizedExperts):
+  """`LoRAExperts` on `qlora.QuantizedExperts`: the base weights are dequantized in `expert_weights`, then the
+  low-rank updates are added."""
+
+
+def _lora_linear_class(base: nnx.Linear) -> type[LoRALinear]:
+  return QLoRALinear if isinstance(base, qlora.QuantizedLinear) else LoRALinear
+
+
+def _lora_experts_class(base: moe.Experts) -> type[LoRAExperts]:
+  return QLoRAExperts if isinstance(base, qlora.QuantizedExperts) else LoRAExperts
 
 
 # ---- finding targets --------------------------------------------------------------------------------------------
@@ -228,7 +273,7 @@ def targetable(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], str | None
   for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
     if isinstance(node, nnx.Linear):
       out[path_str(path)] = (tuple(path), None)
-    elif isinstance(node, layers.Experts):
+    elif isinstance(node, moe.Experts):
       for name in EXPERT_PARAMS:
         out[path_str((*path, name))] = (tuple(path), name)
   return out
@@ -297,11 +342,15 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
 
   The copy's base Variables keep their paths; the new `nnx.LoRAParam`s are `<module>.lora_a` / `.lora_b`
   (`<experts>.<param>_lora_a` / `_lora_b` for expert tensors). `B = 0`, so logits are unchanged until trained.
+  With `config.base_quantization` set, the copy's base is quantized first (`qlora.quantize_base`; the quantized
+  values and scales replace the dense weights under the same paths) and the adapters sit on the quantized modules.
   """
   if has_lora(model):
     raise ValueError("model already has LoRA adapters; merge() or split() it first")
   targets = resolve_targets(model, config)
   model = nnx.clone(model)
+  if config.quantization is not None:
+    model = qlora.quantize_base(model, config.quantization)
   table = targetable(model)
   # factor shapes: Linear [in, r] / [r, out]; expert Param [E, out, in] -> [E, in, r] / [E, r, out]
   specs = []
@@ -319,12 +368,14 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
   for name, (a, b) in zip(targets, values):
     path, param = table[name]
     if param is None:
-      _set(model, path, LoRALinear(_get(model, path), lora_a=a, lora_b=b, scale=config.scale, dropout=config.dropout,
-                                   dropout_key=dropout_key, dropout_index=targets.index(name)))
+      base = _get(model, path)
+      _set(model, path, _lora_linear_class(base)(base, lora_a=a, lora_b=b, scale=config.scale, dropout=config.dropout,
+                                                 dropout_key=dropout_key, dropout_index=targets.index(name)))
     else:
       experts.setdefault(path, {})[param] = (a, b)
   for path, factors in experts.items():
-    _set(model, path, LoRAExperts(_get(model, path), factors=factors, scale=config.scale))
+    base = _get(model, path)
+    _set(model, path, _lora_experts_class(base)(base, factors=factors, scale=config.scale))
   return model
 
 
@@ -346,5 +397,6 @@ def _init_factors(key: Array, specs: tuple[tuple[tuple[int, ...], tuple[int, ...
 
 
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
-           "LoraConfig", "apply_lora", "has_lora", "lora_modules", "path_str", "resolve_targets",
+           "LoraConfig", "QLoRAExperts", "QLoRALinear", "apply_lora", "has_lora", "lora_modules", "path_str",
+           "resolve_targets",
            "set_dropout_key", "targetable"]

@@ -5,6 +5,9 @@ float32, casts to the base parameter dtype and returns a plain `DiffusionGemma` 
 model to export for serving (vLLM has no LoRA support for DiffusionGemma). Because our encoder and decoder share
 one set of weights, each update is added exactly once; PEFT's `merge_and_unload()` on the transformers model,
 whose encoder and decoder are separate modules with tied weights, adds it once per mode (see docs/lora.md).
+A quantized base (QLoRA, `lora.qlora`) is dequantized in float32 first (values times scales), the update added,
+and the sum cast to the dense parameter dtype; quantized modules without adapters are dequantized too, so the
+result is always a dense model.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from hackable_diffusion.lora import qlora
 from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRAExperts, LoRALinear, _set, lora_modules
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import moe
 
 
 def _plain_linear(src: LoRALinear) -> nnx.Linear:
+  if isinstance(src, qlora.QuantizedLinear):
+    return qlora.plain_module(src, {None: src.delta()})
   kernel = src.kernel[...]
   merged = (kernel.astype(jnp.float32) + src.delta()).astype(kernel.dtype)
   lin = nnx.eval_shape(lambda: nnx.Linear(
@@ -29,10 +35,12 @@ def _plain_linear(src: LoRALinear) -> nnx.Linear:
   return lin
 
 
-def _plain_experts(src: LoRAExperts) -> layers.Experts:
+def _plain_experts(src: LoRAExperts) -> moe.Experts:
+  if isinstance(src, qlora.QuantizedExperts):
+    return qlora.plain_module(src, {name: src.delta(name) for name in src.targets})
   e, two_i, h = src.gate_up_proj.shape
   with nnx.use_eager_sharding(False):
-    new = nnx.eval_shape(lambda: layers.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
+    new = nnx.eval_shape(lambda: moe.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
                                                 param_dtype=src.gate_up_proj.dtype, std=0.02, impl=src.impl))
   for name in EXPERT_PARAMS:
     var = getattr(src, name)
@@ -46,12 +54,13 @@ def _plain_experts(src: LoRAExperts) -> layers.Experts:
 def merge(model: nnx.Module) -> nnx.Module:
   """A copy of `model` with every adapter folded into its base weights and the adapter modules removed.
 
-  The result has exactly the variables (paths, dtypes, shapes) of the un-adapted model.
+  The result has exactly the variables (paths, dtypes, shapes) of the un-adapted dense model (a quantized base is
+  dequantized: `lora.qlora.dequantize_base`).
   """
   model = nnx.clone(model)
   for path, module in list(lora_modules(model)):
     _set(model, path, _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module))
-  return model
+  return qlora.dequantize_base(model)
 
 
 def split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:

@@ -9,12 +9,14 @@ reference's sliding cache keeps (transformers `DynamicSlidingWindowLayer`).
 
 Cost scales with the prompt: when the cache is at least twice a sliding layer's key span (and of at least
 `BAND_MIN_CAPACITY` slots), the encoder computes that layer over the band only (`banded_encoder_attention`: query
-chunks of `window // 4`, each against its own `chunk + window - 1` gathered slots, O(L x window) instead of
-O(L x S)) and the decoder reads only the `window - 1` prefix slots (`sliding_prefix`). Full layers stay O(L x S)
-in FLOPs; for long prompts they run one query chunk at a time (`chunked_encoder_attention`), so their scores need
-O(chunk x S) memory. Blocks with head_dim <= 256 run through `jax.nn.dot_product_attention` (XLA here; the shape
-cuDNN's flash attention accepts), wider heads through `attend_einsum`. All paths compute the same function within
-fp32 rounding (tests/model/test_attention.py keeps the original dense implementation as the reference).
+chunks of `window // 4`, each against its own `chunk + window - 1` gathered slots rounded up to even, O(L x window)
+instead of O(L x S)) and the decoder reads only the `window - 1` prefix slots (`sliding_prefix`; one more when
+that makes the key length even: cuDNN's condition). Full layers stay O(L x S) in FLOPs; for long prompts they run
+one query chunk at a time (`chunked_encoder_attention`), so their scores need O(chunk x S) memory. Blocks with
+head_dim <= 256 run through `jax.nn.dot_product_attention` (cuDNN flash attention on an NVIDIA GPU in bf16/fp16,
+`attention_implementation`; XLA elsewhere), wider heads through `attend_einsum`. All paths compute the same
+function within fp32 rounding (tests/model/test_attention.py keeps the original dense implementation as the
+reference).
 
 Slot `j` of the cache holds position `j` (prompt positions are a plain `arange`, also with left padding), so
 positions and slots coincide and a per-row `length` lets one batch hold prefixes of different lengths (training
@@ -94,8 +96,9 @@ def decoder_prefix_mask(valid: Array, length: Array, window: int | None) -> Arra
   return mask
 
 
-# Blocks whose head_dim fits cuDNN's flash attention (<= 256) go through `jax.nn.dot_product_attention`; wider
-# heads (the 512-dim full layers) through the einsum below. Both are the same XLA computation on CPU.
+# Blocks whose head_dim fits cuDNN's flash attention (<= 256) go through `jax.nn.dot_product_attention` (cuDNN on
+# GPU where `attention_implementation` allows); wider heads (the 512-dim full layers) through the einsum below.
+# Both are the same XLA computation on CPU.
 FUSED_MAX_HEAD_DIM = 256
 
 
@@ -119,23 +122,52 @@ def attend_einsum(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   return out.reshape(b, l, n, d)
 
 
+def attention_implementation(platform: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                             compute_capability: float | None = None) -> str:
+  """`jax.nn.dot_product_attention`'s `implementation` for one block: 'cudnn' (flash attention) on an NVIDIA GPU
+  (`platform` 'gpu') with bf16/fp16 inputs, a head_dim that is a multiple of 8 and <= 256 (<= 128 before Hopper,
+  `compute_capability` < 9; None: assume Hopper or later) and even query / key lengths (cuDNN's condition for a
+  masked training pass); 'xla' otherwise (the 512-dim full layers, fp32, CPU, TPU)."""
+  max_head_dim = 256 if compute_capability is None or compute_capability >= 9.0 else 128
+  fits = head_dim <= max_head_dim and head_dim % 8 == 0 and q_len % 2 == 0 and kv_len % 2 == 0
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if platform == "gpu" and half and fits else "xla"
+
+
+def _device_compute_capability() -> float | None:
+  """The first device's CUDA compute capability (e.g. 9.0), None where it has none (CPU, TPU, ROCm)."""
+  value = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return float(value) if value is not None else None
+  except (TypeError, ValueError):
+    return None
+
+
 def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   """`attend_einsum`'s function, through `jax.nn.dot_product_attention` where the head_dim allows (fp32 softmax,
-  scale 1.0, GQA by its kv-head grouping; its mask is `[B, 1 or N, L, S]`). Float64 compute (the float64 parity
-  checks, scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax in float32."""
+  scale 1.0, GQA by its kv-head grouping; its mask is `[B, 1 or N, L, S]`), with cuDNN flash attention where
+  `attention_implementation` says it applies. Float64 compute (the float64 parity checks,
+  scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax in float32."""
   if q.shape[-1] > FUSED_MAX_HEAD_DIM or jnp.dtype(dtype).itemsize > 4:
     return attend_einsum(q, k, v, mask, dtype)
+  platform = jax.default_backend()
+  impl = attention_implementation(platform, dtype, q.shape[-1], q.shape[1], k.shape[1],
+                                  _device_compute_capability() if platform == "gpu" else None)
+  if impl != "cudnn":  # jax's XLA path is the same computation, measured 1.24x slower per Sudoku train step on CPU
+    return attend_einsum(q, k, v, mask, dtype)
   mask = mask[:, None] if mask.ndim == 3 else mask
-  out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0)
+  out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0,
+                                     implementation=impl)
   return out.astype(dtype)
 
 
 # ---- banded sliding-window attention ------------------------------------------------------------------------------
 # A sliding layer's query at position p sees at most the keys in slots (p - window, p]. Queries are cut into chunks
 # of C consecutive positions; chunk i (positions q0 .. q0 + C - 1) reads the span of C + window - 1 slots ending at
-# its last query, so the scores cost L x (C + window - 1) per head instead of L x S. With C = window / 4 that is
-# <= 1.25x the band itself (L x window). The span is gathered with a clamped `dynamic_slice` per (row, chunk); the
-# mask is computed from the slots actually gathered, so clamping at either end of the cache changes nothing.
+# its last query (one more, masked, when that is odd: `band_span`), so the scores cost L x (C + window - 1) per head
+# instead of L x S. With C = window / 4 that is <= 1.25x the band itself (L x window). The span is gathered with a
+# clamped `dynamic_slice` per (row, chunk); the mask is computed from the slots actually gathered, so clamping at
+# either end of the cache changes nothing.
 BAND_CHUNK_FRACTION = 4  # C = window // 4
 BAND_MIN_CAPACITY = 1024  # smaller caches keep the dense path (banding tiny problems only adds gathers)
 
@@ -145,12 +177,19 @@ def band_chunk(num_queries: int, window: int) -> int:
   return max(1, min(num_queries, window // BAND_CHUNK_FRACTION))
 
 
+def band_span(chunk: int, window: int) -> int:
+  """Key slots a query chunk reads: `chunk + window - 1`, rounded up to even (cuDNN's flash attention wants even
+  key lengths for a masked training pass, `attention_implementation`; the extra slot is masked)."""
+  span = chunk + window - 1
+  return span + span % 2
+
+
 def band_pays(num_queries: int, capacity: int, window: int | None) -> bool:
   """Whether a sliding layer's encoder pass takes the banded path: a cache of at least `BAND_MIN_CAPACITY` slots
   and at least twice the key span of a query chunk."""
   if window is None or capacity < BAND_MIN_CAPACITY:
     return False
-  return 2 * (band_chunk(num_queries, window) + window - 1) <= capacity
+  return 2 * band_span(band_chunk(num_queries, window), window) <= capacity
 
 
 def _gather_spans(x: Array, first: Array, span: int) -> Array:
@@ -171,7 +210,7 @@ def banded_encoder_attention(q: Array, cache_k: Array, cache_v: Array, valid: Ar
   s = cache_k.shape[1]
   c = band_chunk(l, window)
   num_chunks = -(-l // c)
-  span = c + window - 1
+  span = band_span(c, window)
   chunk_pos = c * jnp.arange(num_chunks, dtype=jnp.int32)  # [n]: offset of each chunk's first query
   first = jnp.clip(start[:, None] + chunk_pos[None, :] - (window - 1), 0, s - span)  # [B, n]
   slots = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [B, n, span]
@@ -233,14 +272,16 @@ def prefix_band_pays(capacity: int, window: int | None) -> bool:
   return window is not None and capacity >= BAND_MIN_CAPACITY and 2 * (window - 1) <= capacity
 
 
-def sliding_prefix(cache_k: Array, cache_v: Array, prefix_mask: Array, window: int) -> tuple[Array, Array, Array]:
-  """The `window - 1` cache slots that can hold a sliding layer's visible prefix in decoder mode.
+def sliding_prefix(cache_k: Array, cache_v: Array, prefix_mask: Array, window: int,
+                   span: int | None = None) -> tuple[Array, Array, Array]:
+  """The `span` (default `window - 1`, at least that) cache slots that hold a sliding layer's visible prefix in
+  decoder mode.
 
   cache_k/v [B, S, kv, D], prefix_mask [B, S] (`decoder_prefix_mask`: True only on slots within the last
-  `window - 1` before `length`) -> keys/values [B, window - 1, kv, D] and their mask [B, window - 1]; the span
-  starts at each row's first visible slot (clamped into the cache; a row with none gets an all-False mask).
+  `window - 1` before `length`) -> keys/values [B, span, kv, D] and their mask [B, span]; the span starts at each
+  row's first visible slot (clamped into the cache; a row with none gets an all-False mask).
   """
-  span = window - 1
+  span = window - 1 if span is None else span
   first = jnp.clip(jnp.argmax(prefix_mask, axis=1), 0, prefix_mask.shape[1] - span)[:, None]  # [B, 1]
   take = lambda x: _gather_spans(x, first, span)[:, 0]
   return take(cache_k), take(cache_v), take(prefix_mask)
@@ -301,8 +342,9 @@ class Attention(nnx.Module):
     """Bidirectional attention over cache + canvas; never writes. prefix_mask [B, S]; canvas_mask [B|1, N|1, C, C]."""
     b, c, _ = x.shape
     q, k, v = self.qkv(x, cos, sin)
-    if prefix_band_pays(cache_k.shape[1], self.window):  # read the window's slots only
-      cache_k, cache_v, prefix_mask = sliding_prefix(cache_k, cache_v, prefix_mask, self.window)
+    if prefix_band_pays(cache_k.shape[1], self.window):  # read the window's slots only (+1: an even key length)
+      span = self.window - 1 + (self.window - 1 + c) % 2
+      cache_k, cache_v, prefix_mask = sliding_prefix(cache_k, cache_v, prefix_mask, self.window, span)
     keys = jnp.concatenate([cache_k.astype(self.dtype), k], axis=1)
     values = jnp.concatenate([cache_v.astype(self.dtype), v], axis=1)
     if canvas_mask is None:

@@ -21,7 +21,7 @@ FULL = "full_attention"
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _DTYPES = ("float32", "bfloat16", "float16")
-_MOE_IMPLS = ("tiled", "dense", "ragged")
+_MOE_IMPLS = ("auto", "tiled", "dense", "ragged", "expert_parallel")
 # Rematerialisation of each transformer layer in the backward pass: a `jax.checkpoint_policies` name saying which
 # intermediates of a layer are kept ('nothing_saveable': only the layer's input, everything else recomputed), or
 # 'none' (no remat: autodiff keeps every residual).
@@ -106,10 +106,11 @@ class ModelConfig:
   # --- ours (not in the HF config) ---
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
-  # How `Experts` computes (the same function each way): "tiled": each token through its top-k experts only, in
-  # expert-sorted tiles (see `layers.tiled_experts`; fastest on CPU); "dense": every expert on every token, the
-  # unselected weighted 0 (shards over an `expert` mesh axis); "ragged": `jax.lax.ragged_dot` (accelerators, large E).
-  moe_impl: str = "tiled"
+  # How `Experts` computes (the same function each way; see `model/moe.py`): "tiled": expert-sorted tiles in a loop
+  # (fastest on CPU); "dense": every expert on every token, the unselected weighted 0; "ragged": sorted tokens through
+  # `jax.lax.ragged_dot_general` on the stored layout (GPU/TPU); "expert_parallel": ragged inside `shard_map` over
+  # the `expert` mesh axis; "auto": tiled on CPU, else ragged, or expert_parallel under a mesh with expert > 1.
+  moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
   # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
   # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.

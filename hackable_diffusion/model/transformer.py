@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import head, layers, remat, structure
+from hackable_diffusion.model import head, layers, moe, remat, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -66,10 +66,10 @@ class DecoderLayer(nnx.Module):
     h, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
     self.self_attn = Attention(config, layer_idx, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype, std=std)
-    self.router = layers.Router(h, config.num_experts, config.top_k_experts, eps=eps, rngs=rngs, dtype=dtype,
-                                param_dtype=pdtype, std=std)
-    self.experts = layers.Experts(h, config.moe_intermediate_size, config.num_experts, rngs=rngs, dtype=dtype,
-                                  param_dtype=pdtype, std=std, impl=config.moe_impl)
+    self.router = moe.Router(h, config.num_experts, config.top_k_experts, eps=eps, rngs=rngs, dtype=dtype,
+                             param_dtype=pdtype, std=std)
+    self.experts = moe.Experts(h, config.moe_intermediate_size, config.num_experts, rngs=rngs, dtype=dtype,
+                               param_dtype=pdtype, std=std, impl=config.moe_impl)
     norm = lambda: layers.RMSNorm(h, eps=eps, param_dtype=pdtype)  # noqa: E731
     self.input_layernorm = norm()
     self.post_attention_layernorm = norm()

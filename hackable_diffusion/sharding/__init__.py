@@ -19,17 +19,18 @@ Nothing here runs at import time; without a mesh the rest of the library runs un
 """
 
 from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, MeshLike, Rules,
-                                                 abstract_with_shardings, activation_sharding, batch_sharding,
-                                                 constrain, leaves_with_axes, logical_to_mesh_spec, mesh_axis_sizes,
-                                                 num_batch_shards, process_batch_shard, replicated, shard_batch,
-                                                 shard_model, shard_state, state_shardings, variable_axes)
+                                                 abstract_with_shardings, activation_sharding, active_mesh,
+                                                 batch_sharding, constrain, leaves_with_axes, logical_to_mesh_spec,
+                                                 mesh_axis_sizes, num_batch_shards, process_batch_shard, replicated,
+                                                 shard_batch, shard_model, shard_state, state_shardings,
+                                                 variable_axes)
 from hackable_diffusion.sharding.memory import (MemoryEstimate, abstract_state, memory_estimate, memory_table,
                                                 per_device_bytes, per_device_param_bytes)
 from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh, maybe_initialize_distributed
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
-    "abstract_with_shardings", "activation_sharding", "batch_sharding", "constrain", "leaves_with_axes",
+    "abstract_with_shardings", "activation_sharding", "active_mesh", "batch_sharding", "constrain", "leaves_with_axes",
     "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed", "memory_estimate", "memory_table",
     "mesh_axis_sizes", "num_batch_shards", "per_device_bytes", "per_device_param_bytes", "process_batch_shard",
     "replicated", "shard_batch", "shard_model", "shard_state", "state_shardings", "variable_axes",

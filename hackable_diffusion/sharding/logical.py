@@ -270,6 +270,12 @@ def activation_sharding(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Iterat
     _ACTIVATIONS.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+  """The mesh of the enclosing `activation_sharding` (what the model is being traced for), or None."""
+  ctx = _ACTIVATIONS.get()
+  return None if ctx is None else ctx[0]
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """`with_sharding_constraint(x, logical axes)` under `activation_sharding`; the identity otherwise.
 
@@ -286,7 +292,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "LogicalAxes", "MeshLike", "Rules", "abstract_with_shardings",
-    "activation_sharding", "batch_sharding", "constrain", "leaves_with_axes", "logical_to_mesh_spec",
+    "activation_sharding", "active_mesh", "batch_sharding", "constrain", "leaves_with_axes", "logical_to_mesh_spec",
     "mesh_axis_sizes", "num_batch_shards", "process_batch_shard", "replicated", "shard_batch", "shard_model",
     "shard_state", "state_shardings", "variable_axes",
 ]

@@ -32,6 +32,7 @@ from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.interop.hf import load_config as load_hf_config
 from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
+from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import Task, get_task
@@ -188,6 +189,10 @@ def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, mesh: Mesh 
     return lora_lib.merge(model) if lora_lib.has_lora(model) else model
   if cfg.model.checkpoint:
     overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
+    quantized = cfg.lora.base_quantization if cfg.lora is not None else "none"
+    if quantized != "none":  # QLoRA: quantized tensor by tensor as it loads; no dense copy on the device
+      return load_pretrained_quantized(cfg.model.checkpoint, quantized, dtype=cfg.model.dtype,
+                                       block_size=cfg.lora.base_block_size, mesh=mesh, **overrides)
     return load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, mesh=mesh, **overrides)
   return init_model(model_config, seed=cfg.train.seed)
 

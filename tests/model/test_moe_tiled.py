@@ -1,4 +1,4 @@
-"""`Experts(impl='tiled')` (`layers.tiled_experts`) is the dense path's function: forward and gradients, under jit
+"""`Experts(impl='tiled')` (`moe.tiled_experts`) is the dense path's function: forward and gradients, under jit
 and vmap, with uneven routing (an expert chosen by every token, one chosen by none)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import moe, moe_tiled
 from hackable_diffusion.model.transformer import init_model
 
 H, I = 32, 16  # hidden, moe_intermediate
@@ -23,10 +23,10 @@ def assert_close(got, want, name: str = "") -> None:
   assert err <= 1e-5 * scale, f"{name}: max abs error {err:.3g} at scale {scale:.3g}"
 
 
-def make_experts(num_experts: int, impl: str) -> layers.Experts:
+def make_experts(num_experts: int, impl: str) -> moe.Experts:
   """Same parameters for every impl (seeded), large enough for O(1) outputs."""
   with nnx.use_eager_sharding(False):
-    return layers.Experts(H, I, num_experts, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32,
+    return moe.Experts(H, I, num_experts, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32,
                           std=0.3, impl=impl)
 
 
@@ -50,11 +50,11 @@ def random_routing(tokens: int, top_k: int, num_experts: int, seed: int) -> tupl
 
 
 def dense_reference(x: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-  """`layers.dense_experts`: every expert on every token (gate_up [E, 2I, H], down [E, H, I])."""
-  return layers.dense_experts(x, weights, idx, gate_up, down)
+  """`moe.dense_experts`: every expert on every token (gate_up [E, 2I, H], down [E, H, I])."""
+  return moe.dense_experts(x, weights, idx, gate_up, down)
 
 
-def value_and_grads(experts: layers.Experts, x: jax.Array, weights: jax.Array, idx: jax.Array):
+def value_and_grads(experts: moe.Experts, x: jax.Array, weights: jax.Array, idx: jax.Array):
   """(out [T, H], grads w.r.t. x, weights, gate_up_proj, down_proj) of a non-linear function of the output, jitted."""
   graphdef, params = nnx.split(experts)
   probe = jax.random.normal(jax.random.key(7), (x.shape[0], H))
@@ -96,7 +96,7 @@ def test_tile_sizes(tile_rows):
 
   def f(x, weights, gate_up, down, tiled):
     if tiled:
-      out = layers.tiled_experts(x, weights, idx, gate_up, down, tile_rows=tile_rows)
+      out = moe.tiled_experts(x, weights, idx, gate_up, down, tile_rows=tile_rows)
     else:
       out = dense_reference(x, weights, idx, gate_up, down)
     return jnp.sum(out ** 2)
@@ -113,8 +113,8 @@ def test_default_tile_rows_on_large_groups_match_dense():
   """At the size where `moe_tile_rows` picks 128-row tiles (every expert >= 1,024 rows on average: the Sudoku
   training step), the default tiled path still equals the dense function (value and gradients)."""
   num_experts, top_k, tokens = 4, 2, 2100
-  assert layers.moe_tile_rows(tokens * top_k, num_experts, H) == 128
-  assert layers.moe_tile_rows(2000 * top_k, num_experts, H) == 32  # below the threshold: the small-hidden default
+  assert moe_tiled.moe_tile_rows(tokens * top_k, num_experts, H) == 128
+  assert moe_tiled.moe_tile_rows(2000 * top_k, num_experts, H) == 32  # below the threshold: the small-hidden default
   weights, idx = skewed_routing(tokens, top_k, num_experts, seed=3)
   x = jax.random.normal(jax.random.key(4), (tokens, H))
   dense = value_and_grads(make_experts(num_experts, "dense"), x, weights, idx)
@@ -127,7 +127,7 @@ def test_layout():
   """Each expert's group starts a tile; the slab has the static bound; padding rows read the out-of-range token."""
   tokens, top_k, num_experts, tile = 13, 2, 4, 4
   _, idx = skewed_routing(tokens, top_k, num_experts, seed=3)
-  layout = jax.jit(layers.tile_layout, static_argnums=(1, 2))(idx, num_experts, tile)
+  layout = jax.jit(moe_tiled.tile_layout, static_argnums=(1, 2))(idx, num_experts, tile)
   rows = (tokens * top_k + num_experts * (tile - 1)) // tile * tile
   assert layout.token_of_row.shape == (rows,)
   dest = np.asarray(layout.dest)
@@ -156,7 +156,7 @@ def test_vmap():
     return jnp.sum(jnp.tanh(impl(x, weights, idx, gate_up, down)))
 
   grad = jax.grad(loss, argnums=(0, 1))
-  got_x, got_gu = jax.jit(jax.vmap(lambda *a: grad(*a, layers.tiled_experts), in_axes=(0, None, 0, 0)))(
+  got_x, got_gu = jax.jit(jax.vmap(lambda *a: grad(*a, moe.tiled_experts), in_axes=(0, None, 0, 0)))(
       x, gate_up, weights, idx)
   for b in range(batch):
     ref_x, ref_gu = grad(x[b], gate_up, weights[b], idx[b], dense_reference)
@@ -165,11 +165,12 @@ def test_vmap():
 
 
 def test_model_default_matches_dense():
-  """The tiny model with the default moe_impl ('tiled') gives the dense model's logits and parameter gradients."""
+  """The tiny model with the default moe_impl ('auto': 'tiled' on CPU) gives the dense model's logits and parameter
+  gradients."""
   from hackable_diffusion.model.config import get_preset
 
   cfg = get_preset("tiny")
-  assert cfg.moe_impl == "tiled"
+  assert cfg.moe_impl == "auto" and moe.resolve_moe_impl(cfg.moe_impl, cfg.num_experts) == "tiled"
   ids = jax.random.randint(jax.random.key(4), (2, 6), 3, cfg.vocab_size)
   canvas = jax.random.randint(jax.random.key(5), (2, cfg.canvas_length), 3, cfg.vocab_size)
 

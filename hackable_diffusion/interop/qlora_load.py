@@ -1,0 +1,175 @@
+"""Loading a Hugging Face checkpoint with its base quantized tensor by tensor (QLoRA, `lora.qlora`).
+
+    model = load_pretrained_quantized("path/or/hub-id", "int4")          # or "fp8"
+    model = lora.apply_lora(model, lora.LoraConfig(rank=8, base_quantization="int4"), rngs=nnx.Rngs(0))
+
+The same plan as `hd.load_pretrained` (`interop.load_plan`: every name, shape, dtype and scale checked before any
+tensor is read); the difference is what happens to the weights `lora.qlora` quantizes (every linear layer but the
+router, and the experts): each is read alone, quantized on the host CPU (`qwix`, `lora.qlora.quantize`) and only its
+values and scales are put on the device, so the device never holds a dense copy of the model (peak: the quantized
+model plus one dense tensor in host memory). In 'fp8' mode the FP8 weights of a compressed-tensors checkpoint
+(float8_e4m3fn + per-channel or per-tensor `weight_scale`; `interop.quantized`) are kept as stored - values and
+scales as they are, never rounded through bf16 (the dense value is bit for bit the dequantizing loader's); a dense
+or NVFP4 weight is dequantized to float32 and quantized. Every other variable (embedding, norms, router, buffers)
+is loaded as `hd.load_pretrained` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from hackable_diffusion.errors import CheckpointError
+from hackable_diffusion.files import read_json
+from hackable_diffusion.hub import resolve_model_path
+from hackable_diffusion.interop import load_plan, quantized
+from hackable_diffusion.interop.hf import load_config, resolve_dtype
+from hackable_diffusion.interop.names import hf_tensor_names, iter_variables
+from hackable_diffusion.interop.placement import place_in_shards, place_on_host
+from hackable_diffusion.interop.safetensors_io import open_safetensors, weight_files
+from hackable_diffusion.lora import qlora
+from hackable_diffusion.model import moe
+from hackable_diffusion.model.transformer import DiffusionGemma
+from hackable_diffusion.sharding.logical import LOGICAL_AXIS_RULES, Rules, logical_to_mesh_spec, variable_axes
+
+Path = tuple[Any, ...]
+
+
+def _host():
+  """Quantize on the host CPU (a dense tensor never reaches the accelerator); the default device without one."""
+  try:
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+  except RuntimeError:
+    return contextlib.nullcontext()
+
+
+def _targets(model: nnx.Module) -> dict[Path, tuple[Path, str | None]]:
+  """Variable path of every weight `lora.qlora` quantizes -> (module path, expert tensor name or None)."""
+  out: dict[Path, tuple[Path, str | None]] = {}
+  for path, module in qlora.quantization_targets(model):
+    if isinstance(module, moe.Experts):
+      for name in qlora.EXPERT_PARAMS:
+        out[(*path, name)] = (path, name)
+    else:
+      out[(*path, "kernel")] = (path, None)
+  return out
+
+
+def _stored_fp8(key: str, grouped: load_plan.Grouped, where: Any, var: nnx.Variable,
+                param: str | None) -> qwix.QArray | None:
+  """The checkpoint's own FP8 values and scales of one weight in our layout, or None when it is not stored as FP8."""
+  if param is None:
+    raw = load_plan.stored_fp8(grouped.layers[key], where) if key in grouped.layers else None
+    if raw is None:
+      return None
+    values, scales = raw  # [out, in], [out, 1]
+    return qwix.QArray(values.T, scales.T, qtype=jnp.float8_e4m3fn)  # [in, out], [1, out]
+  if key not in grouped.experts:
+    return None  # a fused expert tensor: stored dense (compressed-tensors quantizes nn.Linear modules only)
+  raw = load_plan.stacked_fp8(key, grouped.experts[key], grouped.layers, where, var.shape[0])
+  return None if raw is None else qwix.QArray(raw[0], raw[1], qtype=jnp.float8_e4m3fn)
+
+
+def _quantize(value: np.ndarray, spec: qlora.QuantizationSpec, param: str | None, name: str) -> qwix.QArray:
+  with _host():
+    if param is None:  # kernel [in, out]
+      return qlora.quantize(value, spec, in_axis=0, out_axes=(1,), name=name)
+    return qlora.quantize(value, spec, in_axis=2, out_axes=(0, 1), name=name)  # [E, out, in]
+
+
+def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.QuantizationSpec, *, mesh: Mesh | None = None,
+                           rules: Rules = LOGICAL_AXIS_RULES) -> nnx.Module:
+  """Fills the abstract dense `model` (`nnx.eval_shape`) from the checkpoint at `path` and returns it with its
+  quantization targets replaced by `lora.qlora` modules holding the quantized weights. `mesh`: every array goes
+  straight into its shards. Errors as `interop.hf.load_weights`."""
+  names = hf_tensor_names(model)
+  variables = dict(iter_variables(model))
+  targets = _targets(model)
+  config_path = os.path.join(path, "config.json")
+  config = None
+  if os.path.exists(config_path):
+    config = quantized.parse_quantization_config(read_json(config_path, error=CheckpointError), config_path)
+  files = weight_files(path)
+  where = load_plan.locate(files)
+  grouped = load_plan.group(names, where, config)
+  planned = load_plan.plan(grouped, names, variables, where, config, files)
+  place = place_on_host if mesh is None else place_in_shards(mesh, rules)
+  qarrays: dict[Path, dict[str | None, qwix.QArray]] = {}
+  loaded: set[str] = set()
+  kept = 0
+  for file in files:
+    if not planned[file]:
+      continue
+    with open_safetensors(file) as handle:
+      for key, factory in planned[file]:
+        var_path, _ = names[key]
+        var = variables[var_path]
+        loaded.add(key)
+        if var_path not in targets:
+          var.set_value(place(factory(handle), var))
+          continue
+        module_path, param = targets[var_path]
+        q = _stored_fp8(key, grouped, where, var, param) if spec.mode == qlora.FP8 else None
+        if q is None:
+          q = _quantize(factory(handle).read(), spec, param, key)
+        else:
+          kept += 1
+        qarrays.setdefault(module_path, {})[param] = q
+  missing = sorted(set(names) - loaded)
+  if missing:
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
+  if grouped.skipped_vision:
+    logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path,
+                    grouped.skipped_vision)
+  if kept:
+    logging.info("%s: kept %d FP8 weights with their stored scales (no dequantization)", path, kept)
+  for module_path, parts in qarrays.items():
+    base = qlora.module_at(model, module_path)
+    if isinstance(base, moe.Experts):
+      new = qlora.QuantizedExperts(base, parts, spec.mode, base.gate_up_proj.dtype)
+    else:
+      new = qlora.QuantizedLinear(base, parts[None], spec.mode)
+    qlora.set_module(model, module_path, new)
+  _place_quantized(model, mesh, rules)
+  return model
+
+
+def _place_quantized(model: nnx.Module, mesh: Mesh | None, rules: Rules) -> None:
+  """Moves the quantized values and scales (built on the host) to the default device, or into their shards."""
+  for _, var in nnx.to_flat_state(nnx.state(model, qlora.QuantizedBase)):
+    value = var.get_value()
+    if mesh is None:
+      var.set_value(jax.device_put(value, jax.devices()[0]))
+    else:
+      spec = logical_to_mesh_spec(variable_axes(var), rules=rules, mesh=mesh, shape=value.shape)
+      var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
+
+
+def load_pretrained_quantized(path: str, base_quantization: str, dtype: Any = "auto", *, block_size: int = 64,
+                              compute_dtype: Any = None, mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES,
+                              **config_overrides: Any) -> DiffusionGemma:
+  """`hd.load_pretrained` with the base quantized tensor by tensor: `base_quantization` 'fp8' or 'int4'
+  (`block_size`: input elements per int4 scale). `dtype`: the dense parameters' dtype (the embedding, norms, router;
+  what the quantized weights dequantize back to on export), 'auto' = the checkpoint's; `compute_dtype`: the
+  forward's (default `dtype`). Then `lora.apply_lora(model, LoraConfig(..., base_quantization=<same mode>))`.
+  """
+  spec = qlora.QuantizationSpec(mode=base_quantization, block_size=block_size)
+  path = resolve_model_path(path)
+  dtype = jnp.dtype(resolve_dtype(path, dtype))
+  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
+  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
+  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+  return load_weights_quantized(model, path, spec, mesh=mesh, rules=rules)
+
+
+__all__ = ["load_pretrained_quantized", "load_weights_quantized"]

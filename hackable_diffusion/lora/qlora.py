@@ -1,0 +1,386 @@
+"""QLoRA's base: linear layers and experts whose frozen weights stay quantized on the device (FP8 or int4).
+
+The quantized array format and its (de)quantization are `qwix`'s (`qwix.QArray`, `qwix.quantize`,
+`qwix.dequantize`): a quantized weight is `qvalue` (the weight's shape, 1 byte or half a byte per element) and
+`scale` (one per output channel, or per block of `block_size` input elements and output channel), dense value
+`qvalue * scale`. Two modes (`LoraConfig.base_quantization`):
+
+- 'fp8': float8_e4m3fn values, one float32 scale per output channel, `scale = max|row| / 448` (the layout of the
+  compressed-tensors FP8 "channel" checkpoints; such a checkpoint's own values and scales are kept as stored,
+  `interop.qlora_load`).
+- 'int4': int4 values in blocks of `block_size` elements along the input axis, one bfloat16 scale per block and
+  output channel, `scale = max|block| / 7.5` (qwix's symmetric int4; QLoRA's 4-bit blocks, without NF4's
+  non-uniform levels: qwix stores NF4 as uint4, which orbax cannot checkpoint).
+
+The modules keep the base parameter paths: `QuantizedLinear.kernel` holds the values `[in, out]` (the kernel's
+shape; float8 values stored as their raw bytes, uint8: `stored` / `typed`) and `kernel_scale` the scales;
+`QuantizedExperts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` the values and `<name>_scale` the scales. Both
+are `QuantizedBase` variables, not `nnx.Param`: no optimizer filter selects them and `jax.grad` never sees them.
+Dequantization happens inside the layer's forward (`dequantized_kernel`, `expert_weights`), so under the model's
+per-layer remat the dense copy is recomputed in the backward pass, not kept (`input_tie` keeps XLA from undoing
+that).
+
+Which modules are quantized: every `nnx.Linear` except the router's projection (tiny, and routing is sensitive),
+and every expert tensor; the embedding (the tied LM head), norms and router stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import moe
+
+Array = jax.Array
+NONE, FP8, INT4 = "none", "fp8", "int4"
+MODES = (NONE, FP8, INT4)
+QTYPES = {FP8: jnp.float8_e4m3fn, INT4: jnp.int4}
+SCALE_DTYPES = {FP8: jnp.float32, INT4: jnp.bfloat16}
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizationSpec:
+  """How a base weight is quantized. mode: 'fp8' or 'int4'; block_size: input elements per int4 scale."""
+
+  mode: str
+  block_size: int = 64
+
+  def __post_init__(self):
+    if self.mode not in QTYPES:
+      raise ConfigError(f"base_quantization={self.mode!r} is invalid: expected one of {MODES}")
+    if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+      raise ConfigError(f"base_block_size={self.block_size!r} is invalid: expected an integer >= 1")
+
+  @property
+  def qtype(self) -> Any:
+    return QTYPES[self.mode]
+
+  @property
+  def scale_dtype(self) -> Any:
+    return SCALE_DTYPES[self.mode]
+
+
+class QuantizedBase(nnx.Variable):
+  """A frozen quantized weight's values or scales (not an `nnx.Param`: never trained, never in an optimizer)."""
+
+
+# ---- arrays ---------------------------------------------------------------------------------------------------
+def quantize(w: Array, spec: QuantizationSpec, *, in_axis: int, out_axes: tuple[int, ...],
+             name: str = "weight") -> qwix.QArray:
+  """A dense weight -> its `qwix.QArray`: per output channel (`out_axes`; fp8), or per block of
+  `spec.block_size` elements along `in_axis` and output channel (int4). One-line ConfigError when the input width
+  is not a multiple of the block size."""
+  w = jnp.asarray(w, jnp.float32)
+  tiled = {}
+  if spec.mode == INT4:
+    width = w.shape[in_axis]
+    if width % spec.block_size:
+      raise ConfigError(f"base_quantization='int4': {name} has input width {width}, not a multiple of "
+                        f"base_block_size={spec.block_size}; pick a block size that divides every input width")
+    tiled = {in_axis % w.ndim: spec.block_size}
+  return qwix.quantize(w, spec.qtype, channelwise_axes=tuple(a % w.ndim for a in out_axes), tiled_axes=tiled,
+                       scale_dtype=spec.scale_dtype)
+
+
+def dequantize(qvalue: Array, scale: Array, qtype: Any, dtype: Any, tie: Array | None = None) -> Array:
+  """`qvalue * scale` (scales broadcast over their blocks; qwix's dequantization) in `dtype`.
+
+  The product is formed in float32 (exact for int4 values times bfloat16 scales; one float32 rounding for FP8
+  values times float32 scales, as `interop.quantized.dequantize`), then rounded once to `dtype`. `tie`: a float32
+  zero added to the values and the scales (`input_tie`).
+  """
+  scale = scale.astype(jnp.float32)
+  if tie is not None:
+    qvalue, scale = _tied_values(qvalue, tie), scale + tie
+  return qwix.dequantize(qwix.QArray(typed(qvalue, qtype), scale, qtype=qtype)).astype(dtype)
+
+
+def stored(values: Array, qtype: Any) -> Array:
+  """The stored form of quantized values: float8 as its raw bytes (uint8, same shape), int4 as it is."""
+  if jnp.dtype(qtype) == jnp.dtype(jnp.float8_e4m3fn) and values.dtype != jnp.uint8:
+    return jax.lax.bitcast_convert_type(values, jnp.uint8)
+  return values
+
+
+def typed(values: Array, qtype: Any) -> Array:
+  """Stored values (`stored`) as `qtype` (float8 bytes reinterpreted; bit for bit)."""
+  if values.dtype == jnp.uint8 and jnp.dtype(qtype) != jnp.dtype(jnp.uint8):
+    return jax.lax.bitcast_convert_type(values, qtype)
+  return values
+
+
+def _tied_values(qvalue: Array, tie: Array) -> Array:
+  """Stored values with `tie` (a zero) added to their bytes: an integer add on the bits (float8 stored as uint8;
+  int4 two to a byte), so the very first operation on the values depends on the tie. Bit for bit the values. (An
+  add in the values' own dtype does not do: XLA:CPU first converts float8 / int4 to a wider type, and that
+  conversion of the values alone is a loop invariant it hoists, keeping 2 / 1 bytes per parameter of every layer;
+  a bitcast of a float8 variable to uint8 is hoisted as a copy, hence the uint8 storage.)"""
+  zero = tie.astype(jnp.uint8)
+  if jnp.dtype(qvalue.dtype) in (jnp.dtype(jnp.float8_e4m3fn),):
+    qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
+  if qvalue.dtype == jnp.uint8:
+    return qvalue + zero
+  shape = qvalue.shape
+  if shape[-1] % 2:
+    return qvalue + tie.astype(qvalue.dtype)
+  pairs = jax.lax.bitcast_convert_type(qvalue.reshape(*shape[:-1], shape[-1] // 2, 2), jnp.uint8)
+  return jax.lax.bitcast_convert_type(pairs + zero, qvalue.dtype).reshape(shape)
+
+
+def input_tie(x: Array) -> Array:
+  """A float32 zero that depends on the layer input `x` (`0 * x[0]`, which XLA does not fold for floats).
+
+  Added to the quantized values and the scales, it ties a layer's dequantization to its input, so that XLA can
+  neither hoist it out of the loop over micro-batches (a loop invariant) nor merge the backward pass's
+  recomputation (remat, whose inputs are tied to the cotangent: `model.remat`) into the forward pass: either keeps
+  every layer's dense weights alive at once (without it, the 26B-A4B FP8 step compiled on CPU kept 96 GiB of
+  float32 weights; tests/lora/test_qlora.py measures a toy). The value is unchanged for finite inputs.
+  """
+  return jnp.zeros((), jnp.float32) * x.reshape(-1)[0].astype(jnp.float32)
+
+
+def scale_axes(axes: tuple[Any, ...] | None, scale_shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+  """Logical axes of a scale: the weight's, replicated where the scale has one entry."""
+  if axes is None:
+    return None
+  return tuple(a if n > 1 else None for a, n in zip(axes, scale_shape))
+
+
+def _variable(value: Array, axes: tuple[Any, ...] | None) -> QuantizedBase:
+  with nnx.use_eager_sharding(False):
+    return QuantizedBase(value, out_sharding=axes) if axes is not None else QuantizedBase(value)
+
+
+def _axes(var: nnx.Variable) -> tuple[Any, ...] | None:
+  return var.get_metadata().get("out_sharding")
+
+
+# ---- modules --------------------------------------------------------------------------------------------------
+LINEAR_ATTRS = ("in_features", "out_features", "use_bias", "dtype", "param_dtype", "precision", "dot_general",
+                "promote_dtype", "preferred_element_type")
+
+
+class QuantizedLinear(nnx.Linear):
+  """A bias-free `nnx.Linear` whose `kernel [in, out]` is stored quantized (`kernel` values, `kernel_scale`).
+
+  Built from a dense layer (`QuantizedLinear(base, qarray)`); `x [..., in] -> x @ dequantize(kernel) [..., out]`
+  in the layer's compute dtype. `param_dtype` stays the dense layer's (what `dequantize_base` and export restore).
+  """
+
+  QUANTIZED_ATTRS = ("kernel_scale", "qtype", "quantization")
+
+  def __init__(self, base: nnx.Linear, qarray: qwix.QArray, mode: str):
+    if base.use_bias:
+      raise ValueError("QuantizedLinear: a linear layer with a bias is not supported (the model has none)")
+    for name in LINEAR_ATTRS:
+      setattr(self, name, getattr(base, name))
+    if tuple(qarray.shape) != (self.in_features, self.out_features):
+      raise ValueError(f"quantized kernel {qarray.shape} does not fit a [{self.in_features}, {self.out_features}] "
+                       "layer")
+    axes = _axes(base.kernel)
+    self.kernel = _variable(stored(qarray.qvalue, qarray.qtype), axes)
+    self.kernel_scale = _variable(qarray.scale, scale_axes(axes, qarray.scale.shape))
+    self.bias = nnx.data(None)
+    self.qtype, self.quantization = qarray.qtype, mode
+
+  def dequantized_kernel(self, dtype: Any = None, tie: Array | None = None) -> Array:
+    """The dense kernel [in, out] in `dtype` (default: the compute dtype, else the dense layer's dtype)."""
+    dtype = dtype or self.dtype or self.param_dtype
+    return dequantize(self.kernel[...], self.kernel_scale[...], self.qtype, dtype, tie)
+
+  def __call__(self, inputs: Array, out_sharding=None) -> Array:
+    kernel = self.dequantized_kernel(tie=input_tie(inputs))
+    inputs, kernel, _ = self.promote_dtype((inputs, kernel, None), dtype=self.dtype)
+    kwargs = {"out_sharding": out_sharding}
+    if self.preferred_element_type is not None:
+      kwargs["preferred_element_type"] = self.preferred_element_type
+    return self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision,
+                            **kwargs)
+
+
+class QuantizedExperts(moe.Experts):
+  """`moe.Experts` whose `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` are stored quantized (per expert
+  and output channel, or per block along the input axis H / I), dequantized in `expert_weights`."""
+
+  QUANTIZED_ATTRS = ("gate_up_proj_scale", "down_proj_scale", "qtype", "quantization", "param_dtype")
+
+  def __init__(self, base: moe.Experts, qarrays: Mapping[str, qwix.QArray], mode: str, param_dtype: Any):
+    self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
+    qtypes = set()
+    for name in EXPERT_PARAMS:
+      var, q = getattr(base, name), qarrays[name]
+      if tuple(q.shape) != tuple(var.shape):
+        raise ValueError(f"quantized {name} {q.shape} does not fit a {tuple(var.shape)} expert tensor")
+      axes = _axes(var)
+      setattr(self, name, _variable(stored(q.qvalue, q.qtype), axes))
+      setattr(self, f"{name}_scale", _variable(q.scale, scale_axes(axes, q.scale.shape)))
+      qtypes.add(q.qtype)
+    (self.qtype,) = qtypes
+    self.quantization, self.param_dtype = mode, jnp.dtype(param_dtype).name
+
+  def dequantized(self, name: str, dtype: Any = None, tie: Array | None = None) -> Array:
+    """The dense expert tensor `name` ('gate_up_proj' / 'down_proj') in `dtype` (default: the compute dtype)."""
+    return dequantize(getattr(self, name)[...], getattr(self, f"{name}_scale")[...], self.qtype, dtype or self.dtype,
+                      tie)
+
+  def expert_weights(self, *, tie: Array | None = None) -> tuple[Array, Array]:
+    """(gate_up [E, 2I, H], down [E, H, I]) dequantized here, inside the layer (recomputed under remat); `tie`:
+    `input_tie` of the layer input."""
+    return self.dequantized("gate_up_proj", tie=tie), self.dequantized("down_proj", tie=tie)
+
+  def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
+    """`moe.Experts.__call__` with the dequantization tied to the input `x` [T, H] (`input_tie`)."""
+    gate_up, down = self.expert_weights(tie=input_tie(x))
+    return moe.experts_forward(self.impl, x, weights, idx, gate_up, down)
+
+
+def quantize_linear(base: nnx.Linear, spec: QuantizationSpec, name: str = "kernel") -> QuantizedLinear:
+  """A dense bias-free linear layer -> its `QuantizedLinear` (kernel [in, out]: blocks along axis 0)."""
+  return QuantizedLinear(base, quantize(base.kernel[...], spec, in_axis=0, out_axes=(1,), name=name), spec.mode)
+
+
+def quantize_experts(base: moe.Experts, spec: QuantizationSpec, name: str = "experts") -> QuantizedExperts:
+  """Dense experts -> `QuantizedExperts` ([E, out, in] tensors: scales per expert and output channel)."""
+  qarrays = {p: quantize(getattr(base, p)[...], spec, in_axis=2, out_axes=(0, 1), name=f"{name}.{p}")
+             for p in EXPERT_PARAMS}
+  return QuantizedExperts(base, qarrays, spec.mode, base.gate_up_proj.dtype)
+
+
+# ---- whole models ---------------------------------------------------------------------------------------------
+def _sort_key(path: tuple[Any, ...]) -> tuple[Any, ...]:
+  return tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path)
+
+
+def module_at(node: Any, path: tuple[Any, ...]) -> Any:
+  """The submodule of `node` at `path` (e.g. `('layers', 0, 'mlp', 'up_proj')`)."""
+  for p in path:
+    node = node[p] if isinstance(p, int) else getattr(node, p)
+  return node
+
+
+def set_module(root: Any, path: tuple[Any, ...], value: Any) -> None:
+  """Replaces the submodule of `root` at `path` by `value`."""
+  parent = module_at(root, path[:-1])
+  if isinstance(path[-1], int):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
+
+
+def is_router(path: tuple[Any, ...]) -> bool:
+  return "router" in [str(p) for p in path]
+
+
+def quantization_targets(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Module]]:
+  """(path, module) of every module the base quantization replaces (quantized or not yet), in model order:
+  every `nnx.Linear` except the router's projection, and every `moe.Experts`."""
+  for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
+    if (isinstance(node, nnx.Linear) and not is_router(tuple(path))) or isinstance(node, moe.Experts):
+      yield tuple(path), node
+
+
+def is_quantized(module: Any) -> bool:
+  return isinstance(module, (QuantizedLinear, QuantizedExperts))
+
+
+def base_quantization(model: nnx.Module) -> str:
+  """'none', or the mode of the model's quantized modules (ValueError if they mix modes)."""
+  modes = {m.quantization for _, m in quantization_targets(model) if is_quantized(m)}
+  if len(modes) > 1:
+    raise ValueError(f"the model mixes base quantization modes {sorted(modes)}")
+  return modes.pop() if modes else NONE
+
+
+def quantize_base(model: nnx.Module, spec: QuantizationSpec) -> nnx.Module:
+  """`model` (changed in place and returned) with every quantization target quantized by `spec`.
+
+  Targets already quantized in `spec.mode` are left as they are; one-line ConfigError for a model quantized in
+  another mode, or a layer the mode cannot quantize (an input width not a multiple of the int4 block size).
+  Adapter-carrying modules (apply LoRA after quantizing) are refused.
+  """
+  current = base_quantization(model)
+  if current not in (NONE, spec.mode):
+    raise ConfigError(f"base_quantization={spec.mode!r}: the model's base is already quantized as {current!r}")
+  for path, module in list(quantization_targets(model)):
+    if is_quantized(module):
+      continue
+    if nnx.state(module, nnx.LoRAParam):
+      raise ValueError("quantize_base: the model already has LoRA adapters; quantize the base before apply_lora")
+    where = ".".join(str(p) for p in path)
+    new = quantize_experts(module, spec, where) if isinstance(module, moe.Experts) else quantize_linear(
+        module, spec, where)
+    set_module(model, path, new)
+  return model
+
+
+def _plain_linear(src: QuantizedLinear, kernel: Array) -> nnx.Linear:
+  lin = nnx.eval_shape(lambda: nnx.Linear(
+      src.in_features, src.out_features, use_bias=False, dtype=src.dtype, param_dtype=src.param_dtype,
+      precision=src.precision, dot_general=src.dot_general, promote_dtype=src.promote_dtype,
+      preferred_element_type=src.preferred_element_type, rngs=nnx.Rngs(0)))
+  axes = _axes(src.kernel)
+  with nnx.use_eager_sharding(False):
+    lin.kernel = nnx.Param(kernel.astype(src.param_dtype), **({"out_sharding": axes} if axes else {}))
+  return lin
+
+
+def _plain_experts(src: QuantizedExperts, values: Mapping[str, Array]) -> moe.Experts:
+  e, two_i, h = src.gate_up_proj.shape
+  with nnx.use_eager_sharding(False):
+    new = nnx.eval_shape(lambda: moe.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
+                                                param_dtype=src.param_dtype, std=0.02, impl=src.impl))
+    for name in EXPERT_PARAMS:
+      axes = _axes(getattr(src, name))
+      setattr(new, name, nnx.Param(values[name].astype(src.param_dtype), **({"out_sharding": axes} if axes else {})))
+  return new
+
+
+def plain_module(src: QuantizedLinear | QuantizedExperts, deltas: Mapping[str | None, Array] | None = None
+                 ) -> nnx.Linear | moe.Experts:
+  """The dense module of a quantized one: weights dequantized in float32, `deltas` added (float32, the kernel's /
+  expert tensor's layout; key None for a linear kernel), cast to the dense parameter dtype."""
+  deltas = deltas or {}
+  if isinstance(src, QuantizedLinear):
+    kernel = src.dequantized_kernel(jnp.float32)
+    return _plain_linear(src, kernel + deltas[None] if None in deltas else kernel)
+  values = {}
+  for name in EXPERT_PARAMS:
+    value = src.dequantized(name, jnp.float32)
+    values[name] = value + deltas[name] if name in deltas else value
+  return _plain_experts(src, values)
+
+
+def dequantize_base(model: nnx.Module) -> nnx.Module:
+  """`model` (changed in place and returned) with every quantized module replaced by its dense module (the
+  quantized values times their scales in float32, cast to the dense parameter dtype). Adapters are untouched
+  only if none sits on a quantized module: merge those with `lora.merge`."""
+  for path, module in list(quantization_targets(model)):
+    if is_quantized(module):
+      if type(module) not in (QuantizedLinear, QuantizedExperts):
+        raise ValueError("dequantize_base: a quantized module carries adapters; use lora.merge")
+      set_module(model, path, plain_module(module))
+  return model
+
+
+def quantized_nbytes(model: nnx.Module) -> int:
+  """Bytes of the quantized base (values + scales), int4 counted at half a byte."""
+  total = 0
+  for _, var in nnx.to_flat_state(nnx.state(model, QuantizedBase)):
+    four_bit = jnp.dtype(var.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4))
+    total += int(np.prod(var.shape)) * (4 if four_bit else 8 * jnp.dtype(var.dtype).itemsize) // 8
+  return total
+
+
+__all__ = ["EXPERT_PARAMS", "FP8", "INT4", "MODES", "NONE", "QuantizationSpec", "QuantizedBase", "QuantizedExperts",
+           "QuantizedLinear", "base_quantization", "dequantize", "dequantize_base", "input_tie", "is_quantized",
+           "module_at", "plain_module", "quantization_targets", "quantize", "quantize_base", "quantize_experts",
+           "quantize_linear", "quantized_nbytes", "scale_axes", "set_module", "stored", "typed"]

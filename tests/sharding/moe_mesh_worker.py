@@ -1,0 +1,177 @@
+"""Expert-parallel MoE and banded attention on 8 fake CPU devices, run by `tests/sharding/test_moe_mesh.py`.
+
+JAX fixes its device count when it first initialises (the test process has one device), hence a subprocess.
+Usage: `python tests/sharding/moe_mesh_worker.py OUT.json`; writes measurements (max errors, HLO facts) as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""),
+    "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0",  # tiny shapes: compile time dominates (as in multi_device_worker.py)
+    "--xla_cpu_use_fusion_emitters=false",
+])
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from hackable_diffusion import sharding as sh  # noqa: E402
+from hackable_diffusion.model import attention, moe  # noqa: E402
+from hackable_diffusion.model.config import get_preset  # noqa: E402
+from hackable_diffusion.model.transformer import init_model  # noqa: E402
+
+MESHES = {"expert8": (1, 1, 1, 8), "fsdp2_expert4": (1, 2, 1, 4), "data2_fsdp2_expert2": (2, 2, 1, 2)}
+
+
+def mesh_of(shape) -> jax.sharding.Mesh:
+  return sh.make_mesh(sh.MeshConfig(**dict(zip(sh.MESH_AXES, shape))))
+
+
+def max_err(got, want) -> float:
+  return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def scale(tree) -> float:
+  return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
+
+
+def routing(tokens: int, top_k: int, num_experts: int, seed: int, skewed: bool):
+  """(weights [T, K], idx [T, K]), distinct experts per token; skewed: expert 0 chosen by every token and expert
+  E-1 by none, else K random experts."""
+  rng = np.random.default_rng(seed)
+  if skewed:
+    rest = [rng.permutation(np.arange(1, num_experts - 1))[: top_k - 1] for _ in range(tokens)]
+    idx = np.concatenate([np.zeros((tokens, 1), np.int64), np.stack(rest)], axis=1)
+  else:
+    idx = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)])
+  weights = rng.uniform(0.1, 1.5, (tokens, top_k)).astype(np.float32)
+  return jnp.asarray(weights), jnp.asarray(idx, jnp.int32)
+
+
+def run_functions() -> dict:
+  """`expert_parallel_experts` == `dense_experts` on one device: value and gradients w.r.t. x, routing weights,
+  gate_up and down; T = 48 (split with the batch) and T = 45 (not divisible: tokens replicated, psum path)."""
+  num_experts, hidden, inter, top_k = 8, 32, 16, 3
+  k = jax.random.split(jax.random.key(0), 4)
+  gate_up = jax.random.normal(k[0], (num_experts, 2 * inter, hidden)) * 0.3
+  down = jax.random.normal(k[1], (num_experts, hidden, inter)) * 0.3
+  out: dict = {}
+  for tokens, skewed in ((48, True), (48, False), (45, True)):
+    x = jax.random.normal(k[2], (tokens, hidden))
+    weights, idx = routing(tokens, top_k, num_experts, seed=tokens, skewed=skewed)
+    probe = jax.random.normal(k[3], (tokens, hidden))
+
+    def grads(fn, idx=idx, probe=probe):
+      def loss(x, weights, gate_up, down):
+        return jnp.sum(jnp.sin(fn(x, weights, idx, gate_up, down)) * probe)
+      return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+    ref = jax.jit(grads(moe.dense_experts))(x, weights, gate_up, down)
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=num_experts)
+    for name, shape in MESHES.items():
+      if tokens == 45 and name != "fsdp2_expert4":  # the replicated-token path: one mesh is enough
+        continue
+      mesh = mesh_of(shape)
+      fn = jax.jit(grads(lambda *a, mesh=mesh: moe.expert_parallel_experts(*a, mesh=mesh)))
+      compiled = fn.lower(x, weights, gate_up, down).compile()  # compiled once: run it and read its HLO
+      got, hlo = compiled(x, weights, gate_up, down), compiled.as_text()
+      out[f"{name}/T{tokens}/{'skewed' if skewed else 'random'}"] = {
+          "err": max_err(got, ref), "scale": scale(ref), "grad_gate_up_scale": scale(ref[1][2]),
+          "min_count": int(counts.min()), "max_count": int(counts.max()),
+          "all_gather": "all-gather" in hlo, "reduce_scatter": "reduce-scatter" in hlo,
+      }
+  return out
+
+
+def run_model() -> dict:
+  """The model with moe_impl='expert_parallel', parameters in their shards, traced under `activation_sharding`
+  == the dense model on one device (logits and parameter gradients)."""
+  cfg = get_preset("tiny", num_experts=8, top_k_experts=2)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, 6)), jnp.int32)
+  canvas = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, cfg.canvas_length)), jnp.int32)
+
+  def logits_and_grads(impl, mesh=None):
+    model = init_model(cfg.replace(moe_impl=impl), seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest):
+      logits = nnx.merge(graphdef, params, rest)(ids, canvas)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 3]), logits
+
+    f = jax.value_and_grad(loss, has_aux=True)
+    if mesh is None:
+      (_, logits), g = jax.jit(f)(params, rest)
+      return logits, g, ""
+
+    def traced(params, rest):
+      with sh.activation_sharding(mesh):
+        return f(params, rest)
+
+    params = sh.shard_state(params, sh.state_shardings(mesh, params))
+    rest = sh.shard_state(rest, sh.state_shardings(mesh, rest))
+    compiled = jax.jit(traced).lower(params, rest).compile()
+    (_, logits), g = compiled(params, rest)
+    return logits, g, compiled.as_text()
+
+  ref_logits, ref_grads, _ = logits_and_grads("dense")
+  out = {}
+  for name in ("fsdp2_expert4",):  # (expert=8 alone: the function checks above)
+    logits, grads, hlo = logits_and_grads("expert_parallel", mesh_of(MESHES[name]))
+    out[name] = {"logits_err": max_err(logits, ref_logits), "logits_scale": scale(ref_logits),
+                 "grads_err": max_err(grads, ref_grads), "grads_scale": scale(ref_grads),
+                 "reduce_scatter": "reduce-scatter" in hlo}
+  return out
+
+
+def run_attention() -> dict:
+  """Banded sliding-window encoder attention (`encoder_attention` taking the band) with the batch split over
+  data x fsdp and the heads over tensor == one device; padded rows and per-row start offsets included."""
+  attention.BAND_MIN_CAPACITY = 32  # band a 64-slot cache (the default keeps caches < 1024 dense)
+  b, l, s, n, nkv, d, window = 4, 40, 64, 4, 2, 8, 16
+  assert attention.band_pays(l, s, window)
+  k = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(k[0], (b, l, n, d))
+  cache_k = jax.random.normal(k[1], (b, s, nkv, d))
+  cache_v = jax.random.normal(k[2], (b, s, nkv, d))
+  start = jnp.array([0, 5, 12, 20], jnp.int32)
+  slots = jnp.arange(s)[None, :]
+  pad = jnp.array([0, 3, 0, 7])[:, None]  # left padding of rows 1 and 3
+  valid = (slots < start[:, None] + l) & (slots >= pad)
+
+  def f(q, cache_k, cache_v, valid, start):
+    return attention.encoder_attention(q, cache_k, cache_v, valid, start, window, jnp.float32)
+
+  ref = jax.jit(f)(q, cache_k, cache_v, valid, start)
+  dense = jax.jit(lambda *a: attention.attend(a[0], a[1], a[2], attention.encoder_mask(
+      a[3], a[4][:, None] + jnp.arange(l)[None, :], window), jnp.float32))(q, cache_k, cache_v, valid, start)
+  seen = np.asarray(jnp.any(attention.encoder_mask(valid, start[:, None] + jnp.arange(l)[None, :], window), -1))
+  out = {"band_vs_dense_err": float(np.max(np.abs(np.asarray(ref - dense))[seen]))}
+  meshes = {"data2_fsdp2_tensor2": (2, 2, 2, 1), "fsdp4_tensor2": (1, 4, 2, 1), "data2_expert4": (2, 1, 1, 4)}
+  for name, shape in meshes.items():
+    mesh = mesh_of(shape)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    heads = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    got = jax.jit(f, in_shardings=(heads, heads, heads, rows, rows))(q, cache_k, cache_v, valid, start)
+    out[name] = {"err": float(np.max(np.abs(np.asarray(got - ref))[seen])), "out_spec": str(got.sharding.spec),
+                 "devices": len(got.sharding.device_set)}
+  return out
+
+
+if __name__ == "__main__":
+  result = {"devices": jax.device_count(), "functions": run_functions(), "model": run_model(),
+            "attention": run_attention()}
+  with open(sys.argv[1], "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
