@@ -72,7 +72,7 @@ def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-  lines = ["| examples | batch | chunk steps | ours tok/s (refill) | fixed-batch tok/s | ratio | steps/canvas | "
+  lines = ["| examples | batch | chunk steps | ours tok/s | fixed-batch tok/s | ratio | steps/canvas | "
            "solved | same completions |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     solved = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
