@@ -11,7 +11,7 @@ float64 is not a supported compute dtype of either library, so this script force
 library change):
 - ours: JAX `jax_enable_x64`; `ModelConfig` accepts 'float64' (its dtype whitelist is widened here); the model code
   pins some steps to fp32 by name (norms, RoPE tables, softmaxes, logits: `jnp.float32`), so the `jnp` seen by
-  `model/layers.py`, `model/attention.py` and `model/transformer.py` is a proxy whose `float32` is float64.
+  `model/layers.py`, `model/moe.py`, `model/moe_tiled.py`, `model/attention.py` and `model/transformer.py` is a proxy whose `float32` is float64.
 - transformers: `model.double()`, plus what it pins to fp32: RMSNorm (`.float()`), RoPE (inverse frequencies and
   angles in fp32), eager attention and router softmax (`dtype=torch.float32`), the final logits cast
   (`.to(torch.float32)`) and the embedding scale buffer `sqrt(hidden)` (made in fp32), each replaced here by the
@@ -219,9 +219,9 @@ def ours_float64():
   import jax
   import jax.numpy as jnp
 
-  from hackable_diffusion.model import attention, config, layers, transformer
+  from hackable_diffusion.model import attention, config, layers, moe, moe_tiled, transformer
 
-  mods = [layers, attention, transformer]
+  mods = [layers, moe, moe_tiled, attention, transformer]
   try:  # the tiled output head, where present
     from hackable_diffusion.model import head
     mods.append(head)
