@@ -188,7 +188,8 @@ def _output(slot: _Slot, shared: Prepared) -> StreamOutput:
   valid = int((new != pad).sum()) if pad is not None else new.size
   steps = np.asarray(slot.steps, np.int32)
   return StreamOutput(index=slot.index, sequence=np.concatenate([prompt, new]).astype(np.int32),
-                      denoising_steps=steps, tokens_per_forward=valid / max(int(steps.sum()), 1))
+                      denoising_steps=steps,  # float32, as `generate` computes it (the same number)
+                      tokens_per_forward=float(np.float32(valid) / np.float32(max(int(steps.sum()), 1))))
 
 
 class _Runner:

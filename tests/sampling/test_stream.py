@@ -55,7 +55,7 @@ def test_refilling_equals_the_fixed_batch_per_row(model, prompts):
     np.testing.assert_array_equal(o.sequence, ref[:len(o.sequence)])
     assert (ref[len(o.sequence):] == sampling.resolve(model.config).pad_token_id).all()
     np.testing.assert_array_equal(o.denoising_steps, steps[o.index, :k])
-    assert o.tokens_per_forward == pytest.approx(float(fixed.tokens_per_forward[o.index]))
+    assert o.tokens_per_forward == float(fixed.tokens_per_forward[o.index])  # the same float32 number
   # the case is not trivial: rows stopped at different steps, and one ended (EOS) before its second canvas
   assert len({tuple(o.denoising_steps) for o in outs}) > 2
   assert min(len(o.denoising_steps) for o in outs) == 1 and max(len(o.denoising_steps) for o in outs) == 2
