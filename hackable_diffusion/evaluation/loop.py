@@ -244,7 +244,7 @@ def _generate_on_mesh(model: Any, data: EvalData, sampling: SamplingConfig, allo
       ran = max(int((row_steps > 0).sum()), 1)  # the canvases after the row ended are all pad: as the stream
       new_tokens.append(tokens[:ran * canvas])
       step_rows.append(row_steps[:ran])
-    tpf += list(np.asarray(out.tokens_per_forward)[:rows])
+    tpf += [float(x) for x in np.asarray(out.tokens_per_forward)[:rows]]  # float64 mean, as the stream path
   return new_tokens, step_rows, tpf
 
 
