@@ -123,7 +123,7 @@ def adapter_state(model: nnx.Module) -> tuple[dict[str, np.ndarray], dict[str, A
       pairs = []
       for name in m.targets:
         a, b = _expert_factors(m, name)
-        ranks.add(a.shape[0] // m.gate_up_proj.shape[0])
+        ranks.add(a.shape[0] // m.weight_shape("gate_up_proj")[0])
         params.append(f"{dec}.{name}")
         pairs.append((_expert_module_name(dec, m.targets, name), (a, b)))
     for module, (a, b) in pairs:
@@ -352,10 +352,10 @@ def _check_shapes(file: str, model: nnx.Module, target: tuple[tuple[Any, ...], s
   mpath, param = target
   module = _module_at(model, mpath)
   if param is None:
-    d_in, d_out = module.kernel.shape
+    d_in, d_out = module.in_features, module.out_features
     expected = {"A": (r, d_in), "B": (d_out, r)}
   else:
-    e, d_out, d_in = getattr(module, param).shape
+    e, d_out, d_in = module.weight_shape(param)
     expected = {"A": (r * e, d_in), "B": (d_out, r * e)}
   for ab in ("A", "B"):
     if ab not in dec:

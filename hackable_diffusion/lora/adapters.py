@@ -215,9 +215,9 @@ class LoRAExperts(moe.Experts):
     for name in self.targets:
       var = getattr(base, name)
       a, b = factors[name]
-      e, d_out, d_in = var.shape
+      e, d_out, d_in = base.weight_shape(name)
       if a.shape[:2] != (e, d_in) or b.shape[0] != e or b.shape[2] != d_out:
-        raise ValueError(f"{name}: lora_a {a.shape} / lora_b {b.shape} do not fit a {var.shape} expert tensor")
+        raise ValueError(f"{name}: lora_a {a.shape} / lora_b {b.shape} do not fit a {(e, d_out, d_in)} expert tensor")
       self.rank = a.shape[2]
       axes = _axes(var) or (None, None, None)
       setattr(self, f"{name}_lora_a", _lora_param(a, (axes[0], axes[2], None)))
@@ -357,10 +357,11 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
   for name in targets:
     path, param = table[name]
     if param is None:
-      d_in, d_out = _get(model, path).kernel.shape
+      module = _get(model, path)
+      d_in, d_out = module.in_features, module.out_features
       specs.append(((d_in, config.rank), (config.rank, d_out), d_in))
     else:
-      e, d_out, d_in = getattr(_get(model, path), param).shape
+      e, d_out, d_in = _get(model, path).weight_shape(param)
       specs.append(((e, d_in, config.rank), (e, config.rank, d_out), d_in))
   values = _init_factors(rngs.params(), tuple(specs), config.param_dtype)
   dropout_key = LoRADropoutKey(_dropout_off()) if config.dropout > 0 else None  # one variable, shared

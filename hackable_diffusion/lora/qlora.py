@@ -12,13 +12,14 @@ The quantized array format and its (de)quantization are `qwix`'s (`qwix.QArray`,
   output channel, `scale = max|block| / 7.5` (qwix's symmetric int4; QLoRA's 4-bit blocks, without NF4's
   non-uniform levels: qwix stores NF4 as uint4, which orbax cannot checkpoint).
 
-The modules keep the base parameter paths: `QuantizedLinear.kernel` holds the values `[in, out]` (the kernel's
-shape; float8 values stored as their raw bytes, uint8: `stored` / `typed`) and `kernel_scale` the scales;
-`QuantizedExperts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` the values and `<name>_scale` the scales. Both
-are `QuantizedBase` variables, not `nnx.Param`: no optimizer filter selects them and `jax.grad` never sees them.
-Dequantization happens inside the layer's forward (`dequantized_kernel`, `expert_weights`), so under the model's
-per-layer remat the dense copy is recomputed in the backward pass, not kept (`input_tie` keeps XLA from undoing
-that).
+The modules keep the base parameter paths: `QuantizedLinear.kernel` holds the values of the `[in, out]` kernel and
+`kernel_scale` the scales; `QuantizedExperts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` the values and
+`<name>_scale` the scales. Values are stored as raw bytes (`stored` / `typed`): float8 one per uint8, int4 two per
+uint8 along the last axis (`[in, out / 2]`, `[E, 2I, H / 2]`; `logical_shape`). Both are `QuantizedBase` variables,
+not `nnx.Param`: no optimizer filter selects them and `jax.grad` never sees them. Dequantization happens inside the
+layer's forward (`dequantized_kernel`, `expert_weights`; under the `tiled` MoE kernel one expert at a time inside
+its loop), so under the model's per-layer remat the dense copy is recomputed in the backward pass, not kept
+(`input_tie` keeps XLA from undoing that).
 
 Which modules are quantized: every `nnx.Linear` except the router's projection (tiny, and routing is sensitive),
 and every expert tensor; the embedding (the tied LM head), norms and router stay as they are.
@@ -27,6 +28,7 @@ and every expert tensor; the embedding (the tied LM head), norms and router stay
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,7 +39,7 @@ import qwix
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.model import moe
+from hackable_diffusion.model import moe, moe_tiled
 
 Array = jax.Array
 NONE, FP8, INT4 = "none", "fp8", "int4"
@@ -105,35 +107,45 @@ def dequantize(qvalue: Array, scale: Array, qtype: Any, dtype: Any, tie: Array |
 
 
 def stored(values: Array, qtype: Any) -> Array:
-  """The stored form of quantized values: float8 as its raw bytes (uint8, same shape), int4 as it is."""
-  if jnp.dtype(qtype) == jnp.dtype(jnp.float8_e4m3fn) and values.dtype != jnp.uint8:
+  """The stored form of quantized values: raw bytes (uint8). float8: one byte per value, same shape; int4: two
+  values per byte along the last axis (`[..., n] -> [..., n / 2]`; kept as int4 when n is odd)."""
+  if values.dtype == jnp.uint8:
+    return values
+  if jnp.dtype(qtype) == jnp.dtype(jnp.float8_e4m3fn):
     return jax.lax.bitcast_convert_type(values, jnp.uint8)
+  if _is_int4(qtype) and values.shape[-1] % 2 == 0:
+    return jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2), jnp.uint8)
   return values
 
 
 def typed(values: Array, qtype: Any) -> Array:
-  """Stored values (`stored`) as `qtype` (float8 bytes reinterpreted; bit for bit)."""
-  if values.dtype == jnp.uint8 and jnp.dtype(qtype) != jnp.dtype(jnp.uint8):
-    return jax.lax.bitcast_convert_type(values, qtype)
-  return values
+  """Stored values (`stored`) as `qtype`, in their logical shape; bit for bit."""
+  if values.dtype != jnp.uint8 or jnp.dtype(qtype) == jnp.dtype(jnp.uint8):
+    return values
+  out = jax.lax.bitcast_convert_type(values, qtype)  # int4: [..., n / 2, 2]
+  return out.reshape(*values.shape[:-1], -1) if _is_int4(qtype) else out
+
+
+def logical_shape(values: Array, qtype: Any) -> tuple[int, ...]:
+  """The shape of the weight whose stored values (`stored`) are `values`."""
+  if values.dtype == jnp.uint8 and _is_int4(qtype):
+    return (*values.shape[:-1], 2 * values.shape[-1])
+  return tuple(values.shape)
+
+
+def _is_int4(qtype: Any) -> bool:
+  return jnp.dtype(qtype) == jnp.dtype(jnp.int4)
 
 
 def _tied_values(qvalue: Array, tie: Array) -> Array:
-  """Stored values with `tie` (a zero) added to their bytes: an integer add on the bits (float8 stored as uint8;
-  int4 two to a byte), so the very first operation on the values depends on the tie. Bit for bit the values. (An
-  add in the values' own dtype does not do: XLA:CPU first converts float8 / int4 to a wider type, and that
-  conversion of the values alone is a loop invariant it hoists, keeping 2 / 1 bytes per parameter of every layer;
-  a bitcast of a float8 variable to uint8 is hoisted as a copy, hence the uint8 storage.)"""
-  zero = tie.astype(jnp.uint8)
-  if jnp.dtype(qvalue.dtype) in (jnp.dtype(jnp.float8_e4m3fn),):
-    qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.uint8)
+  """Stored values with `tie` (a zero) added: an integer add on their bytes (`stored`), so the very first
+  operation on the values depends on the tie. Bit for bit the values. (An add in the values' own dtype does not
+  do: XLA:CPU first converts float8 / int4 to a wider type, and that conversion of the values alone is a loop
+  invariant it hoists, keeping 2 / 1 bytes per parameter of every layer; a bitcast of a float8 or int4 variable to
+  uint8 is hoisted as a copy, hence the uint8 storage.)"""
   if qvalue.dtype == jnp.uint8:
-    return qvalue + zero
-  shape = qvalue.shape
-  if shape[-1] % 2:
-    return qvalue + tie.astype(qvalue.dtype)
-  pairs = jax.lax.bitcast_convert_type(qvalue.reshape(*shape[:-1], shape[-1] // 2, 2), jnp.uint8)
-  return jax.lax.bitcast_convert_type(pairs + zero, qvalue.dtype).reshape(shape)
+    return qvalue + tie.astype(jnp.uint8)
+  return qvalue + tie.astype(qvalue.dtype)  # int4 with an odd last axis (stored unpacked)
 
 
 def input_tie(x: Array) -> Array:
@@ -232,15 +244,35 @@ class QuantizedExperts(moe.Experts):
     return dequantize(getattr(self, name)[...], getattr(self, f"{name}_scale")[...], self.qtype, dtype or self.dtype,
                       tie)
 
+  def weight_shape(self, name: str) -> tuple[int, ...]:
+    return logical_shape(getattr(self, name)[...], self.qtype)
+
   def expert_weights(self, *, tie: Array | None = None) -> tuple[Array, Array]:
     """(gate_up [E, 2I, H], down [E, H, I]) dequantized here, inside the layer (recomputed under remat); `tie`:
     `input_tie` of the layer input."""
     return self.dequantized("gate_up_proj", tie=tie), self.dequantized("down_proj", tie=tie)
 
   def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
-    """`moe.Experts.__call__` with the dequantization tied to the input `x` [T, H] (`input_tie`)."""
-    gate_up, down = self.expert_weights(tie=input_tie(x))
+    """`moe.Experts.__call__` with the dequantization tied to the input `x` [T, H] (`input_tie`). Under the
+    `tiled` kernel one expert is dequantized at a time, inside its loop (forward and backward): a layer's dense
+    expert weights never exist at once. The other kernels dequantize the whole layer first."""
+    tie = input_tie(x)
+    num_experts = self.gate_up_proj.shape[0]
+    if type(self).expert_weights is QuantizedExperts.expert_weights and moe.resolve_moe_impl(
+        self.impl, num_experts) == "tiled":
+      stored_values = tuple((getattr(self, n)[...], getattr(self, f"{n}_scale")[...]) for n in EXPERT_PARAMS)
+      ties = jnp.broadcast_to(tie, (num_experts,))  # [E]: scanned with the experts
+      decode = functools.partial(_decode_expert, qtype=self.qtype, dtype=self.dtype)
+      return moe_tiled.frozen_tiled_experts(x, weights, idx, (stored_values, ties), decode, num_experts)
+    gate_up, down = self.expert_weights(tie=tie)
     return moe.experts_forward(self.impl, x, weights, idx, gate_up, down)
+
+
+def _decode_expert(stored_expert, *, qtype: Any, dtype: Any) -> tuple[Array, Array]:
+  """One expert's ((values, scale) of gate_up, (values, scale) of down), tie) -> its dense (gate_up [2I, H],
+  down [H, I]) in `dtype` (`frozen_tiled_experts`' decode)."""
+  ((gu, gu_scale), (dn, dn_scale)), tie = stored_expert
+  return dequantize(gu, gu_scale, qtype, dtype, tie), dequantize(dn, dn_scale, qtype, dtype, tie)
 
 
 def quantize_linear(base: nnx.Linear, spec: QuantizationSpec, name: str = "kernel") -> QuantizedLinear:
@@ -334,7 +366,7 @@ def _plain_linear(src: QuantizedLinear, kernel: Array) -> nnx.Linear:
 
 
 def _plain_experts(src: QuantizedExperts, values: Mapping[str, Array]) -> moe.Experts:
-  e, two_i, h = src.gate_up_proj.shape
+  e, two_i, h = values["gate_up_proj"].shape
   with nnx.use_eager_sharding(False):
     new = nnx.eval_shape(lambda: moe.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
                                                 param_dtype=src.param_dtype, std=0.02, impl=src.impl))

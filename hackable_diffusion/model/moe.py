@@ -75,6 +75,11 @@ class Experts(nnx.Module):
                                   ("expert", "embed", "mlp"))
     self.dtype, self.impl, self.intermediate = dtype, impl, intermediate
 
+  def weight_shape(self, name: str) -> tuple[int, ...]:
+    """The shape of expert tensor `name` ('gate_up_proj' [E, 2I, H] / 'down_proj' [E, H, I]) as the model uses it
+    (a quantized subclass may store it packed)."""
+    return tuple(getattr(self, name).shape)
+
   def expert_weights(self) -> tuple[Array, Array]:
     """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype: the one place the kernels read the weights.
 

@@ -6,6 +6,7 @@ it there); it computes `moe.dense_experts`' function on the same Hugging Face we
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -58,16 +59,24 @@ def tile_layout(idx: Array, num_experts: int, tile: int) -> TileLayout:
   return TileLayout(dest, token_of_row, first_tile, num_tiles)
 
 
-def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, down: Array, tile: int,
+def dense_pair(w: tuple[Array, Array]) -> tuple[Array, Array]:
+  """The per-expert `decode` of dense weights: (gate_up [2I, H], down [H, I]) as they are."""
+  return w
+
+
+def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, decode: Callable, tile: int,
                    keep_pre: bool):
   """xs [R, H] -> ys [R, H] (and the gate/up pre-activations [R, 2I] when `keep_pre`).
 
-  A scan over experts (each expert's weights sliced once) around a loop over that expert's tiles; tiles past the
-  last expert's are never computed (their rows stay zero).
+  A scan over experts around a loop over that expert's tiles; tiles past the last expert's are never computed
+  (their rows stay zero). `weights`: a pytree whose leaves have a leading expert axis; `decode(expert's slice)` ->
+  (gate_up [2I, H], down [H, I]) is called once per expert inside the scan, so only one expert's dense weights
+  exist at a time (a quantized base dequantizes there).
   """
 
   def expert(slabs, inputs):
-    w_gate_up, w_down, first, count = inputs  # [2I, H], [H, I], tile index, tile count
+    stored, first, count = inputs  # one expert's slice of `weights`, tile index, tile count
+    w_gate_up, w_down = decode(stored)  # [2I, H], [H, I]
 
     def one_tile(j, slabs):
       start = (first + j) * tile
@@ -78,11 +87,12 @@ def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Arra
 
     return jax.lax.fori_loop(0, count, one_tile, slabs), None
 
+  gate_up, _ = jax.eval_shape(decode, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), weights))
   compute = jnp.result_type(xs.dtype, gate_up.dtype)
   slabs = (jnp.zeros(xs.shape, compute),)
   if keep_pre:
-    slabs += (jnp.zeros((xs.shape[0], gate_up.shape[1]), compute),)
-  return jax.lax.scan(expert, slabs, (gate_up, down, first_tile, num_tiles))[0]
+    slabs += (jnp.zeros((xs.shape[0], gate_up.shape[0]), compute),)
+  return jax.lax.scan(expert, slabs, (weights, first_tile, num_tiles))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -92,7 +102,7 @@ def tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, dow
   Differentiable in xs, gate_up [E, 2I, H] and down [E, H, I] by a hand-written backward pass with the same loop
   structure (autodiff would not reverse the dynamic-length tile loop).
   """
-  return _tiles_forward(xs, first_tile, num_tiles, gate_up, down, tile, keep_pre=False)[0]
+  return _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), dense_pair, tile, keep_pre=False)[0]
 
 
 def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int):
@@ -100,7 +110,7 @@ def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int):
   # so their [E, 2I, H] / [E, H, I] accumulators are not even built
   weights_trained = () if (gate_up.perturbed or down.perturbed) else None  # static in the residuals' structure
   xs, first_tile, num_tiles, gate_up, down = (a.value for a in (xs, first_tile, num_tiles, gate_up, down))
-  ys, pre = _tiles_forward(xs, first_tile, num_tiles, gate_up, down, tile, keep_pre=True)
+  ys, pre = _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), dense_pair, tile, keep_pre=True)
   return ys, (xs, first_tile, num_tiles, gate_up, down, pre, weights_trained)
 
 
@@ -109,7 +119,8 @@ def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
   if isinstance(d_ys, jax.custom_derivatives.SymbolicZero):
     d_ys = jnp.zeros(d_ys.aval.shape, d_ys.aval.dtype)
   if weights_trained is None:
-    return _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, gate_up, down, pre, d_ys), None, None, None, None
+    d_xs = _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, (gate_up, down), dense_pair, pre, d_ys)
+    return d_xs, None, None, None, None
   acc = jnp.promote_types(gate_up.dtype, jnp.float32)  # weight gradients accumulate over tiles in fp32
 
   def expert(d_xs, inputs):
@@ -134,11 +145,13 @@ def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
   return d_xs, None, None, d_gate_up, d_down
 
 
-def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, gate_up, down, pre, d_ys) -> Array:
-  """`_tile_mlp_bwd`'s input gradient alone (the expert weights are frozen)."""
+def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, weights, decode: Callable, pre, d_ys) -> Array:
+  """`_tile_mlp_bwd`'s input gradient alone (the expert weights are frozen; `weights` / `decode` as
+  `_tiles_forward`'s, each expert decoded once more here)."""
 
   def expert(d_xs, inputs):
-    w_gate_up, w_down, first, count = inputs
+    stored, first, count = inputs
+    w_gate_up, w_down = decode(stored)
 
     def one_tile(j, d_xs):
       start = (first + j) * tile
@@ -149,10 +162,32 @@ def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, gate_up, down, pr
 
     return jax.lax.fori_loop(0, count, one_tile, d_xs), None
 
-  return jax.lax.scan(expert, jnp.zeros_like(xs), (gate_up, down, first_tile, num_tiles))[0]
+  return jax.lax.scan(expert, jnp.zeros_like(xs), (weights, first_tile, num_tiles))[0]
 
 
 tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def frozen_tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, weights, decode: Callable, tile: int) -> Array:
+  """`tile_mlp` for frozen expert weights kept encoded (e.g. quantized): `weights` is a pytree with a leading
+  expert axis, `decode(one expert's slice)` -> (gate_up [2I, H], down [H, I]) runs inside the loop over experts,
+  in the forward pass and again in the backward pass, so one expert's dense weights are alive at a time.
+  Differentiable in xs only (the weights get no gradient)."""
+  return _tiles_forward(xs, first_tile, num_tiles, weights, decode, tile, keep_pre=False)[0]
+
+
+def _frozen_tile_mlp_fwd(xs, first_tile, num_tiles, weights, decode: Callable, tile: int):
+  ys, pre = _tiles_forward(xs, first_tile, num_tiles, weights, decode, tile, keep_pre=True)
+  return ys, (xs, first_tile, num_tiles, weights, pre)
+
+
+def _frozen_tile_mlp_bwd(decode: Callable, tile: int, residuals, d_ys: Array):
+  xs, first_tile, num_tiles, weights, pre = residuals
+  return _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, weights, decode, pre, d_ys), None, None, None
+
+
+frozen_tile_mlp.defvjp(_frozen_tile_mlp_fwd, _frozen_tile_mlp_bwd)
 
 
 def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
@@ -164,11 +199,27 @@ def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Ar
   with their routing weights. Shapes are static (a slab of `<= T*K + E*(tile_rows-1)` rows); the number of tiles
   computed is not.
   """
+  mlp = lambda xs, layout, tile: tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile)
+  return _routed(x, weights, idx, gate_up.shape[0], mlp, tile_rows)
+
+
+def frozen_tiled_experts(x: Array, weights: Array, idx: Array, stored, decode: Callable, num_experts: int,
+                         tile_rows: int | None = None) -> Array:
+  """`tiled_experts` on frozen expert weights kept encoded: `stored` (a pytree, leading expert axis) decoded one
+  expert at a time by `decode` inside the loop (`frozen_tile_mlp`). Differentiable in x (and the routing weights)
+  only."""
+  mlp = lambda xs, layout, tile: frozen_tile_mlp(xs, layout.first_tile, layout.num_tiles, stored, decode, tile)
+  return _routed(x, weights, idx, num_experts, mlp, tile_rows)
+
+
+def _routed(x: Array, weights: Array, idx: Array, num_experts: int, mlp: Callable, tile_rows: int | None) -> Array:
+  """Groups the assignments idx [T, K] into expert tiles, runs `mlp(xs [R, H], layout, tile)` and gathers the
+  rows back with their routing weights [T, K] -> [T, H]."""
   tokens, top_k = idx.shape
-  num_experts, hidden = gate_up.shape[0], x.shape[-1]
+  hidden = x.shape[-1]
   tile = tile_rows or moe_tile_rows(tokens * top_k, num_experts, hidden)
   layout = tile_layout(idx, num_experts, tile)
   xs = x.at[layout.token_of_row].get(mode="fill", fill_value=0)  # [R, H]
-  ys = tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile)  # [R, H]
+  ys = mlp(xs, layout, tile)  # [R, H]
   picked = ys[layout.dest].reshape(tokens, top_k, hidden).astype(jnp.float32)  # [T, K, H]
   return jnp.einsum("tkh,tk->th", picked, weights).astype(x.dtype)

@@ -136,6 +136,50 @@ def run_model() -> dict:
   return out
 
 
+def run_qlora() -> dict:
+  """The tiny model with a quantized base (fp8 / packed int4) under LoRA adapters, its variables in their shards:
+  loss and adapter gradients == one device; reports which quantized values are really split."""
+  from hackable_diffusion import lora  # noqa: PLC0415 (after the XLA flags, as every import here)
+  from hackable_diffusion.lora import qlora  # noqa: PLC0415
+
+  cfg = get_preset("tiny")
+  rng = np.random.default_rng(2)
+  ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, 6)), jnp.int32)
+  canvas = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, cfg.canvas_length)), jnp.int32)
+  out = {}
+  for mode in ("fp8", "int4"):
+    config = lora.LoraConfig(rank=2, target_modules="all-linear", base_quantization=mode, base_block_size=16)
+    model = lora.apply_lora(init_model(cfg, seed=1), config, rngs=nnx.Rngs(0))
+    for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B != 0: the adapters change the output
+      v.value = jnp.asarray(0.3 * rng.standard_normal(v.shape), v.dtype)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(adapters, rest):
+      logits = nnx.merge(graphdef, adapters, rest)(ids, canvas)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+    f = jax.value_and_grad(loss)
+    ref_loss, ref_grads = jax.jit(f)(adapters, rest)
+    for name in ("data2_fsdp2_tensor2", "fsdp2_expert4"):
+      mesh = mesh_of({"data2_fsdp2_tensor2": (2, 2, 2, 1), "fsdp2_expert4": (1, 2, 1, 4)}[name])
+
+      def traced(adapters, rest):
+        with sh.activation_sharding(mesh):
+          return f(adapters, rest)
+
+      sharded_adapters = sh.shard_state(adapters, sh.state_shardings(mesh, adapters))
+      sharded_rest = sh.shard_state(rest, sh.state_shardings(mesh, rest))
+      got_loss, grads = jax.jit(traced)(sharded_adapters, sharded_rest)
+      quantized = nnx.to_flat_state(nnx.state(nnx.merge(graphdef, sharded_adapters, sharded_rest),
+                                              qlora.QuantizedBase))
+      split = sum(len(v.get_value().sharding.device_set) == 8 and not v.get_value().sharding.is_fully_replicated
+                  for _, v in quantized)
+      out[f"{mode}/{name}"] = {"loss_err": abs(float(got_loss) - float(ref_loss)), "loss": float(ref_loss),
+                               "grads_err": max_err(grads, ref_grads), "grads_scale": scale(ref_grads),
+                               "quantized_vars": len(quantized), "quantized_split": int(split)}
+  return out
+
+
 def run_attention() -> dict:
   """Banded sliding-window encoder attention (`encoder_attention` taking the band) with the batch split over
   data x fsdp and the heads over tensor == one device; padded rows and per-row start offsets included."""
@@ -172,6 +216,6 @@ def run_attention() -> dict:
 
 if __name__ == "__main__":
   result = {"devices": jax.device_count(), "functions": run_functions(), "model": run_model(),
-            "attention": run_attention()}
+            "attention": run_attention(), "qlora": run_qlora()}
   with open(sys.argv[1], "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
