@@ -113,6 +113,23 @@ def test_dense_checkpoint_is_quantized_tensor_by_tensor(hf_factory, mode):
   assert type(loaded.layers[0].router.proj) is nnx.Linear
 
 
+@pytest.mark.parametrize("layout", ["fused", "experts"])
+def test_nvfp4_checkpoint_into_int4_equals_quantizing_the_dequantized_load(checkpoints, layout):  # noqa: F811
+  """An NVFP4 checkpoint (compressed-tensors, per-expert NVFP4 experts too) read into an int4 base: every weight is
+  decompressed as the dense loader does (equal to compressed-tensors' own decompression, tests/interop/
+  test_quantized.py), then quantized onto the int4 grid - bit for bit `quantize_base` of the dense load; the 4-bit
+  NVFP4 values are not kept as they are (a second rounding)."""
+  path = checkpoints("NVFP4", layout)
+  loaded = load_pretrained_quantized(path, "int4", block_size=16)
+  reference = qlora.quantize_base(hd.load_pretrained(path), qlora.QuantizationSpec(mode="int4", block_size=16))
+  got, expected = _quantized_state(loaded), _quantized_state(reference)
+  assert set(got) == set(expected) and got
+  for name in expected:
+    assert got[name].dtype == expected[name].dtype, name
+    np.testing.assert_array_equal(got[name].astype(np.float32), expected[name].astype(np.float32), err_msg=name)
+  assert qlora.base_quantization(loaded) == "int4"
+
+
 # ---- export ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["fp8", "int4"])
 def trained(request, hf_factory, tmp_path_factory):
