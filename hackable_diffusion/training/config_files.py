@@ -1,0 +1,175 @@
+"""Config files: finding, running and overriding `configs/*.py`, and the `config.json` a run writes.
+
+`load_config_file(path, overrides)` runs a config file's `get_config()` (a broken file is a one-line `FILE:LINE`
+error), `apply_overrides` sets `{'a.b': value}` keys (unknown keys listed), `config_from_json` / `write_config_json`
+read and write a run's resolved config. The typed sections built from a loaded config are in `training.config`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.files import read_json, write_json
+
+CONFIG_FILENAME = "config.json"
+# the shipped config files: package data (found by bare name from any directory after a plain install); the
+# repository's top-level configs/ is a link to this folder
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+# ---- loading, overrides, serialisation -------------------------------------------------------------------------
+def config_to_dict(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
+  """A plain, JSON-friendly dict (nested ConfigDicts -> dicts, tuples kept)."""
+  if isinstance(config, ml_collections.ConfigDict):
+    config = config.to_dict()
+  return {k: (config_to_dict(v) if isinstance(v, (Mapping, ml_collections.ConfigDict)) else v)
+          for k, v in config.items()}
+
+
+def resolve_config_path(path: str) -> str:
+  """A config file path: as given if it exists, else looked up in the cwd's `configs/`, then in the shipped configs
+  (package data, `CONFIGS_DIR`); `configs/NAME` works from any directory."""
+  if not path:
+    raise ConfigError("--config is empty; pass a config file, e.g. --config=configs/tiny.py")
+  file, sep, arg = path.partition(":")
+  candidates = [file]
+  if not os.path.isabs(file):
+    name = file[len("configs/"):] if file.startswith("configs/") else file
+    for root in (os.path.join(os.getcwd(), "configs"), CONFIGS_DIR):
+      candidates += [os.path.join(root, name), os.path.join(root, name + ".py")]
+  for c in candidates:
+    if os.path.isfile(c):
+      return c + sep + arg
+  available = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".py")) if os.path.isdir(CONFIGS_DIR) else []
+  raise ConfigError(f"config file {file!r} not found (also looked in ./configs/ and the shipped configs); "
+                    f"available: {available}")
+
+
+def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """Runs `get_config()` of a config file (bare names resolve into configs/) and applies `{'a.b': value}`.
+
+  A broken file is a one-line ConfigError naming the file and line (`FILE:LINE: SyntaxError: ...`): the source is
+  compiled here first, so a syntax error never reaches absl / ml_collections, and an exception raised while the
+  file runs or in `get_config()` is reported at the file's own line.
+  """
+  resolved = resolve_config_path(path)
+  file, _, arg = resolved.partition(":")
+  module = _exec_config_file(file)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(f"{file}: defines no get_config(); a config file returns its ConfigDict from get_config()")
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception as e:  # noqa: BLE001 - a broken config file: say where, in one line
+    raise config_file_error(file, e) from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    try:
+      config = ml_collections.ConfigDict(config)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"{file}: get_config() returned a {type(config).__name__}, not a ConfigDict or dict "
+                        f"({' '.join(str(e).split())})") from None
+  config.lock()
+  if overrides:
+    apply_overrides(config, overrides)
+  return config
+
+
+def check_config_source(file: str) -> Any:
+  """Compiles a config file (no code runs); returns the code object or raises `FILE:LINE: SyntaxError: ...`."""
+  try:
+    with open(file, "rb") as f:
+      source = f.read()
+  except OSError as e:
+    raise ConfigError(f"{file}: cannot read the config file ({e.strerror or type(e).__name__})") from None
+  try:
+    return compile(source, file, "exec", dont_inherit=True)
+  except (SyntaxError, ValueError) as e:  # ValueError: null bytes in the source
+    raise config_file_error(file, e) from e
+
+
+def config_file_error(file: str, e: BaseException) -> ConfigError:
+  """One line `FILE:LINE: ExcType: message` for an exception raised compiling or running a config file."""
+  line = e.lineno if isinstance(e, SyntaxError) else None
+  if line is None:  # the innermost frame in the config file itself
+    target = os.path.abspath(file)
+    line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__))
+                 if os.path.abspath(fr.filename) == target), None)
+  message = " ".join(str(e.msg if isinstance(e, SyntaxError) else e).split())
+  where = f"{file}:{line}" if line else file
+  return ConfigError(f"{where}: {type(e).__name__}" + (f": {message}" if message else ""))
+
+
+def _exec_config_file(file: str) -> Any:
+  """The config file run as a module (registered in sys.modules: dataclasses defined in it need that)."""
+  code = check_config_source(file)
+  module_name = "_hd_config_" + re.sub(r"\W", "_", os.path.abspath(file))
+  spec = importlib.util.spec_from_file_location(module_name, file)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[module_name] = module
+  try:
+    exec(code, module.__dict__)  # noqa: S102 - running the user's config file is the point
+  except Exception as e:  # noqa: BLE001 - a broken config file: say where, in one line
+    sys.modules.pop(module_name, None)
+    raise config_file_error(file, e) from e
+  return module
+
+
+def config_from_json(path: str) -> ml_collections.ConfigDict:
+  """The `config.json` a run wrote (lists become tuples again, so CLI overrides of them keep working)."""
+  data = read_json(path, missing="no such file (is this a workdir written by hackable_diffusion.train?)")
+
+  def fix(v):
+    if isinstance(v, dict):
+      return {k: fix(x) for k, x in v.items()}
+    return tuple(fix(x) for x in v) if isinstance(v, list) else v
+
+  config = ml_collections.ConfigDict(fix(data))
+  config.lock()
+  return config
+
+
+def check_override_keys(config: ml_collections.ConfigDict, keys: Sequence[str], prefix: str = "config") -> None:
+  """Raises a one-line ConfigError for the first `a.b.c` key that is not in `config`, listing the valid ones."""
+  for key in keys:
+    node: Any = config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+      if isinstance(node, (ml_collections.ConfigDict, Mapping)) and part in node:
+        node = node[part]
+        continue
+      where = ".".join(parts[:i]) or "<top level>"
+      if isinstance(node, (ml_collections.ConfigDict, Mapping)):
+        valid = ", ".join(sorted(node.keys()))
+        raise ConfigError(f"unknown config key --{prefix}.{key}: {where} has no {part!r}; valid keys: {valid}")
+      raise ConfigError(f"unknown config key --{prefix}.{key}: {where} is a value, not a section")
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+  """Sets `{'a.b': value}` in a (locked) config; unknown keys raise a one-line ConfigError."""
+  check_override_keys(config, list(overrides))
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    with node.unlocked():
+      node[leaf] = value
+
+
+def write_config_json(config: ml_collections.ConfigDict | Mapping[str, Any], workdir: str) -> str:
+  """Writes the resolved config as `workdir/config.json` (atomically); returns the path."""
+  os.makedirs(workdir, exist_ok=True)
+  return write_json(os.path.join(workdir, CONFIG_FILENAME), config_to_dict(config), default=str)
+
+
+__all__ = ["CONFIGS_DIR", "CONFIG_FILENAME", "apply_overrides", "check_config_source", "check_override_keys",
+           "config_file_error", "config_from_json", "config_to_dict", "load_config_file", "resolve_config_path",
+           "write_config_json"]
