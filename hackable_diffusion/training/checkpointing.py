@@ -123,6 +123,7 @@ class Checkpointer:
     self._failed: str | None = None  # the one-line message of a failed save (close() is quiet after it)
     self._restoring = False
     self._restore_failed = False  # a restore failed: its reads still in flight log late (the filter stays for them)
+    self._closed = False
     self._log_filter = _OrbaxFailureFilter(self)
     for name in _QUIET_LOGGERS:
       py_logging.getLogger(name).addFilter(self._log_filter)
@@ -230,12 +231,15 @@ class Checkpointer:
 
   def owns_failure_log(self, record: py_logging.LogRecord) -> bool:
     """Whether an orbax/asyncio error log belongs to this checkpointer's operations: any while a save or restore
-    runs or after a save failed; after a failed restore, those that name its directory (the late 'never
-    retrieved' reads of that restore), so that other code's errors still show."""
-    if self._pending is not None or self._restoring or self._failed is not None:
+    runs, or after a save failed until `close()`; after `close()` of a failed save, orbax's own (its writer
+    threads' late errors, up to interpreter shutdown); after a failed restore or save, asyncio's that name its
+    directory (the late 'never retrieved' reads and writes), so that other code's errors still show."""
+    if self._pending is not None or self._restoring or (self._failed is not None and not self._closed):
       return True
-    if not self._restore_failed:
+    if self._failed is None and not self._restore_failed:
       return False
+    if self._failed is not None and record.pathname.startswith(_ORBAX_DIR):
+      return True
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += str(record.exc_info[1])
@@ -305,6 +309,7 @@ class Checkpointer:
         self.wait()
     finally:
       self._close_manager()
+      self._closed = True
       if self._failed is None and not self._restore_failed:  # after a failure the filter stays: orbax's and
         # asyncio's late noise of it (reads/writes still in flight, 'Future exception was never retrieved') is dropped
         for name in _QUIET_LOGGERS:

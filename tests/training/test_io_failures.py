@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -229,6 +230,18 @@ def test_failed_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch, s
     ckpt.save(3, state, {})
   assert _in_thread(ckpt.close) == ("ok", None)  # reported once; closing releases orbax quietly
   assert ckpt.complete_steps() == [1]
+  # after close, the failed save's filter drops only late noise naming its directory: others' errors still show
+  seen: list[str] = []
+  handler = logging.Handler(level=logging.ERROR)
+  handler.emit = lambda record: seen.append(record.getMessage())
+  logging.getLogger("asyncio").addHandler(handler)
+  try:
+    logging.getLogger("asyncio").error(f"[late] Future exception was never retrieved: {directory}/2/params")
+    logging.getLogger("asyncio").error("[other] Future exception was never retrieved: another program's")
+  finally:
+    logging.getLogger("asyncio").removeHandler(handler)
+  assert [m for m in seen if m.startswith(("[late]", "[other]"))] == [
+      "[other] Future exception was never retrieved: another program's"]
   with checkpointing.Checkpointer(directory, read_only=True) as ro:
     assert ro.latest_step() == 1
     restored, meta = ro.restore(jax.eval_shape(lambda: state))
