@@ -30,7 +30,8 @@ def _table(output: str) -> tuple[list[str], list[list[str]]]:
   raise AssertionError(f"no table with an 'ours tok/s' column in the output:\n{output[-3000:]}")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [pytest.param("benchmark_train.py", marks=pytest.mark.slow),  # torch + ours: ~70 s
+                                    *SCRIPTS[1:]])
 def test_benchmark_smoke(script):
   path = os.path.join(ROOT, "scripts", script)
   env = dict(os.environ)
@@ -59,6 +60,7 @@ def test_benchmark_smoke(script):
     assert re.search(r"parity, step 0: loss ours \S+ torch \S+", proc.stdout), proc.stdout[-3000:]
 
 
+@pytest.mark.slow  # profiles a compiled train step: ~45 s
 def test_profile_train_step_lists_thunks_of_the_compiled_step():
   """The profiler script joins the trace's thunks with the compiled HLO: rows name real instructions with shapes."""
   env = dict(os.environ)

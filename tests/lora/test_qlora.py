@@ -299,6 +299,7 @@ def _step_arguments(mode: str) -> int:
   return compiled.memory_analysis().argument_size_in_bytes
 
 
+@pytest.mark.slow  # three real-width-ish compiles (~100 s); test_qlora_experts.py checks the per-expert growth
 def test_compiled_step_holds_less_with_a_quantized_base():
   """The compiled step's arguments (base + adapters + Adam state + batch): a bf16 base > FP8 > int4 (measured at
   hidden 128: 1.73 / 1.01 / 0.64 MiB; the embedding, norms and router stay bf16 in all three)."""
