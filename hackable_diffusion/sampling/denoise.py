@@ -6,14 +6,15 @@
                 (no self-conditioning at n = N)
       logits <- allowed-token restriction, pins made certain;  processed <- logits / T(n)
       sample a token per position (denoiser canvas), the argmax canvas, the entropies and the softmax weights of
-        the processed logits in two passes over [B, C, V] (`entropy_bound.step_statistics`)
+        the processed logits in two passes over [B, C, V] (`entropy_bound.step_statistics`: one fused reduce,
+        one elementwise pass writing the weights)
       accept <- rule(entropies, processed, n, N) | pinned;  re-noise the rest
       next self-conditioning input <- (weights @ embed) / sum of weights   [B, C, H]
       per row: stop when stable and confident (if early stopping); finished rows are frozen
 
 The loop carries the self-conditioning *embeddings* `[B, C, H]` (what the decoder consumes), not the processed
 logits `[B, C, V]`: per step only the logits and the softmax weights exist at vocabulary width (at the released
-vocabulary of 262,144 and batch 8, 2 GiB each in float32). The logits are read by two fused reductions and one
+vocabulary of 262,144 and batch 8, 2 GiB each in float32). The logits are read by one fused reduction and one
 elementwise pass that writes the weights, which the self-conditioning product reads once.
 
 This module builds the traced function (`make_denoise`); `sampling.programs` compiles and caches it and

@@ -1,7 +1,7 @@
 """The pieces of one entropy-bounded denoising step, as small pure (jittable) functions.
 
 `generate` composes them as: logits -> `apply_allowed_tokens` -> `pin_logits` -> divide by `temperature` ->
-`step_statistics` (two fused passes over the logits, vectorised over every row, giving what `sample_tokens`,
+`step_statistics` (one fused pass over the logits, vectorised over every row, giving what `sample_tokens`,
 `argmax_canvas` and `entropy` give separately: the denoiser canvas, the argmax canvas, the token entropies; plus the
 softmax weights for the self-conditioning input) -> an acceptance rule (`accept_entropy_bound`, or
 `accept_top_k` / `accept_confidence_threshold`) -> `renoise` the rest -> `stable_and_confident` per-row stopping.
@@ -87,58 +87,34 @@ class StepStatistics:
   total: Array  # [...] float32, sum of exp(z - max z)
 
 
-def _chunk_max(x: Array) -> tuple[Array, Array]:
-  """x [R, n, chunk] -> (max [R, n], first index of the max inside its chunk [R, n] int32), one variadic reduce."""
-  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 2)
-
-  def pick(a, b):
-    (av, ai), (bv, bi) = a, b
-    take_b = (bv > av) | ((bv == av) & (bi < ai))
-    return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
-
-  init = (jnp.asarray(-jnp.inf, x.dtype), jnp.asarray(x.shape[2], jnp.int32))
-  return jax.lax.reduce((x, iota), init, pick, (2,))
+# Online softmax statistics of a set of tokens (one set per array element): its largest logit `x` and the first
+# index of it, the inverse temperature `inv_t` (the same for every token of a row), and relative to the max,
+# `s = sum exp(d)` and `t = sum exp(d) d` with `d = (x_i - x) * inv_t`. A single token is `(x, index, inv_t, 1, 0)`.
+_Online = tuple[Array, Array, Array, Array, Array]
 
 
-def _block_sums(x: Array, xmax: Array, inv_t: Array, block: int) -> tuple[Array, Array]:
-  """x [R, n, chunk] logits, xmax [R, n] chunk maxima -> per block of `block` tokens `[R, n, chunk / block]`: the
-  sums of `e = exp(d)` and of `e * d` with `d = (x - chunk max) / T`, in one variadic reduce (the exponentials are
-  computed inside the reduction, never written out)."""
-  rows, n, chunk = x.shape
-  d = ((x - xmax[..., None]) * inv_t).reshape(rows, n, chunk // block, block)
-  e = jnp.exp(d)
+def _merge(a: _Online, b: _Online) -> _Online:
+  """The statistics of the union of two disjoint token sets (flash-attention's rescaling; the index tie-break keeps
+  the argmax the first index of the max; a set far below the max, or one of `-inf` logits, adds exactly 0)."""
+  (xa, ia, ta_inv, sa, ta), (xb, ib, tb_inv, sb, tb) = a, b
+  take_b = (xb > xa) | ((xb == xa) & (ib < ia))
+  x, i = jnp.where(take_b, xb, xa), jnp.where(take_b, ib, ia)
+  inv_t = jnp.where(take_b, tb_inv, ta_inv)
+  s_hi, t_hi = jnp.where(take_b, sb, sa), jnp.where(take_b, tb, ta)
+  s_lo, t_lo = jnp.where(take_b, sa, sb), jnp.where(take_b, ta, tb)
+  d = (jnp.where(take_b, xa, xb) - x) * inv_t  # <= 0 (NaN when both maxima are -inf)
+  scale = jnp.exp(d)
+  live = scale > 0
+  s = s_hi + jnp.where(live, scale * s_lo, 0.0)
+  t = t_hi + jnp.where(live, scale * (t_lo + s_lo * d), 0.0)
+  return x, i, inv_t, s, t
 
-  def add(a, b):
-    return a[0] + b[0], a[1] + b[1]
 
-  zero = jnp.asarray(0.0, jnp.float32)
-  return jax.lax.reduce((e, e * d), (zero, zero), add, (3,))
-
-
-def _combine_chunks(chunk_max: Array, chunk_sum: Array, chunk_ent: Array) -> tuple[Array, Array, Array]:
-  """Online (flash-attention style) combination of per-chunk softmax sums, chunk by chunk in vocabulary order.
-
-  chunk_max, chunk_sum, chunk_ent `[R, n]`: `max z`, `sum exp(z - max)` and `sum exp(z - max) (z - max)` of each
-  chunk -> (max z, sum exp(z - max z), sum exp(z - max z) (z - max z)) `[R]`. The loop runs over the `n` chunks of
-  the vocabulary with `[R]` vectors: its trip count (128 at the released vocabulary) does not depend on the batch.
-  """
-  rows = chunk_max.shape[0]
-
-  def step(carry, c):
-    m, s, t = carry
-    mc, sc, tc = c
-    new_m = jnp.maximum(m, mc)
-    a, b = jnp.exp(m - new_m), jnp.exp(mc - new_m)  # rescale both partial sums to the new max
-    t = a * (t + s * (m - new_m)) + b * (tc + sc * (mc - new_m))
-    s = a * s + b * sc
-    return (new_m, s, t), None
-
-  init = (jnp.full((rows,), jnp.finfo(jnp.float32).min), jnp.zeros((rows,)), jnp.zeros((rows,)))
-  if chunk_max.shape[1] == 1:
-    out, _ = step(init, (chunk_max[:, 0], chunk_sum[:, 0], chunk_ent[:, 0]))
-    return out
-  out, _ = jax.lax.scan(step, init, (chunk_max.T, chunk_sum.T, chunk_ent.T))
-  return out
+def _online_reduce(stats: _Online, axis: int) -> _Online:
+  """One variadic reduce of `_merge` along `axis`: each input read once, the exponentials computed inside it."""
+  init = (jnp.asarray(-jnp.inf, jnp.float32), jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32),
+          jnp.asarray(0.0, jnp.float32), jnp.asarray(0.0, jnp.float32), jnp.asarray(0.0, jnp.float32))
+  return jax.lax.reduce(stats, init, _merge, (axis,))
 
 
 def _row_uniforms(key: Array, rows: int, group: int) -> Array:
@@ -150,9 +126,10 @@ def _row_uniforms(key: Array, rows: int, group: int) -> Array:
   return jax.vmap(lambda k: jax.random.uniform(k, (group,), jnp.float32))(keys).reshape(rows)
 
 
-def _inverse_cdf(u: Array, x: Array, inv_t: Array, m: Array, block_sums: Array, block: int) -> Array:
+def _inverse_cdf(u: Array, x: Array, inv_t: Array, xmax: Array, block_sums: Array, block: int) -> Array:
   """Sample by inverting the CDF: pick a block of `block` tokens by the cumulative block masses, then a token inside
-  it. u `[R]` uniforms, x `[R, V]` logits, m `[R]` max of `x * inv_t`, block_sums `[R, V / block]` -> `[R]` int32."""
+  it. u `[R]` uniforms, x `[R, V]` logits, xmax `[R]` their max, block_sums `[R, V / block]` the masses
+  `sum exp((x - xmax) * inv_t)` of each block -> `[R]` int32."""
   rows, n_blocks = block_sums.shape
   cum_blocks = jnp.cumsum(block_sums, axis=-1)
   target = u * cum_blocks[:, -1]
@@ -161,33 +138,30 @@ def _inverse_cdf(u: Array, x: Array, inv_t: Array, m: Array, block_sums: Array, 
   before = jnp.where(blk > 0, jnp.take_along_axis(cum_blocks, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
   xb = jnp.take_along_axis(x.reshape(rows, n_blocks, block), blk[:, None, None], axis=1)[:, 0]  # [R, block]
   xb = jax.lax.optimization_barrier(xb)  # a gather of its own: reads R x block logits, not a pass over x
-  e = jnp.exp(xb * inv_t - m[:, None])
+  e = jnp.exp((xb - xmax[:, None]) * inv_t)
   cum = jnp.cumsum(e, axis=-1) + before[:, None]
   last = block - 1 - jnp.argmax(e[:, ::-1] > 0, axis=-1)
   idx = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last)
   return (blk * block + idx).astype(jnp.int32)
 
 
-def step_statistics(key: Array | None, logits: Array, temperature, *, weights_dtype=None, chunk_size: int = 2048,
+def step_statistics(key: Array | None, logits: Array, temperature, *, weights_dtype=None,
                     row_group: int | None = None, uniforms: Array | None = None) -> StepStatistics:
   """Sample, argmax, entropy (and optionally the softmax weights) of `z = logits / temperature`.
 
-  logits `[..., V]` (any float dtype; read as float32). Two passes over the `[R, V]` logits, vectorised over all
-  rows (no loop over rows), each one fused reduction:
+  logits `[..., V]` (any float dtype; read as float32). One pass over the `[R, V]` logits, vectorised over all rows
+  (no loop over rows): a single variadic reduce gives, per block of 128 tokens, the max, the first index of the max
+  and the online-softmax sums `sum e` and `sum e d` with `d = (x - block max) / T`, `e = exp(d)` (computed inside
+  the reduction, never written). The `[R, V / 128]` block statistics are then merged the same way into the row's
+  max, argmax, `total = sum exp(z - max z)` and entropy `log total - sum e d / total`.
 
-  1. per chunk of `chunk_size` tokens: the max and the first index of the max (one variadic reduce);
-  2. per block of 128 tokens: `sum e` and `sum e d` with `d = (x - chunk max) / T`, `e = exp(d)` (one variadic
-     reduce; the exponentials are never written). The chunk sums are combined in vocabulary order (`[R]` vectors,
-     one short loop over the chunks).
-
-  With `weights_dtype`, a third, elementwise pass writes the softmax numerators `exp(z - max z)` once, for the
+  With `weights_dtype`, a second, elementwise pass writes the softmax numerators `exp(z - max z)` once, for the
   self-conditioning input `softmax(z) @ embed = (weights @ embed) / total` (`denoise.self_conditioning_embeddings`).
-  The sample is drawn by one uniform per position and an inverse CDF over the blocks, then inside the chosen block
-  (a `[R, 128]` gather). The formulas are those of the row-group implementation this replaced (commit 6c3e697), with
-  the same random stream (`row_group` only selects it: the key is split into `R / group` keys): argmax canvases are
-  equal, entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding of a
-  token boundary of the cumulative block masses, which XLA now sums inside one fused reduction (see
-  `docs/sampling.md`).
+  The sample is drawn by one uniform per position and an inverse CDF over the blocks' masses, then inside the
+  chosen block (a `[R, 128]` gather). The random stream is that of the row-group implementation this replaced
+  (commit 6c3e697; `row_group` only selects it: the key is split into `R / group` keys): argmax canvases are equal,
+  entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding of a token
+  boundary of the cumulative masses, which are summed in another order (see `docs/sampling.md`).
 
   `temperature` is a scalar or an array broadcastable to the leading shape (a per-row temperature `[B, 1]`);
   `uniforms` (shape `[...]`, in [0, 1)) replaces the draws from `key` (per-row random streams, `denoise_rows`).
@@ -202,38 +176,33 @@ def step_statistics(key: Array | None, logits: Array, temperature, *, weights_dt
   if vocab % block:  # pad the vocabulary with never-chosen tokens
     pad = block - vocab % block
     x = jnp.concatenate([x, jnp.full((rows, pad), DISALLOWED_LOGIT, jnp.float32)], axis=1)
-  padded = x.shape[1]
-  n_blocks = padded // block
-  chunk = block * _largest_divisor(n_blocks, max(1, chunk_size // block))
-  n_chunks = padded // chunk
-  x3 = x.reshape(rows, n_chunks, chunk)  # [R, n, chunk]
-  # pass 1: max and first argmax per chunk
-  xmax, first = _chunk_max(x3)  # [R, n]
-  chunk_m = xmax * inv_t  # max of z per chunk [R, n]
-  best_chunk = jnp.argmax(chunk_m, axis=-1)  # first chunk holding the max of z (ties: the earlier chunk)
-  argmax = best_chunk * chunk + jnp.take_along_axis(first, best_chunk[:, None], axis=-1)[:, 0]
-  # pass 2: chunk-local exponentials, summed per block of 128 tokens; then per chunk, combined in vocabulary order
-  inv_t3 = inv_t if inv_t.ndim == 0 else inv_t[:, :, None]  # against [R, n, chunk]
-  block_sums, block_ent = _block_sums(x3, xmax, inv_t3, block)  # [R, n, blocks per chunk]
-  m, s, t = _combine_chunks(chunk_m, jnp.sum(block_sums, axis=-1), jnp.sum(block_ent, axis=-1))
+  n_blocks = x.shape[1] // block
+  x3 = x.reshape(rows, n_blocks, block)  # [R, n, block]
+  # the one pass: per-block online statistics, then (on [R, n]) per row
+  inv_t3 = jnp.broadcast_to(inv_t if inv_t.ndim == 0 else inv_t[:, :, None], x3.shape).astype(jnp.float32)
+  one, zero = jnp.ones(x3.shape, jnp.float32), jnp.zeros(x3.shape, jnp.float32)
+  per_block = _online_reduce((x3, jax.lax.broadcasted_iota(jnp.int32, x3.shape, 1) * block
+                              + jax.lax.broadcasted_iota(jnp.int32, x3.shape, 2), inv_t3, one, zero), 2)
+  xmax, argmax, _, s, t = _online_reduce(per_block, 1)  # [R] each
   token_entropy = jnp.log(s) - t / s
-  block_sums = (block_sums * jnp.exp(chunk_m - m[:, None])[..., None]).reshape(rows, n_blocks)
+  block_x, _, _, block_s, _ = per_block  # [R, n]
+  block_sums = block_s * jnp.exp((block_x - xmax[:, None]) * inv_t)  # each block's mass relative to the row max
   weights = None
-  if weights_dtype is not None:  # pass 3 (elementwise): the softmax numerators, written once in the consumer's dtype
-    weights = jnp.exp(x * inv_t - m[:, None]).astype(weights_dtype)[:, :vocab].reshape(*lead, vocab)
-  target = row_group if row_group is not None else max(1, (1 << 19) // padded)
+  if weights_dtype is not None:  # pass 2 (elementwise): the softmax numerators, written once in the consumer's dtype
+    weights = jnp.exp((x - xmax[:, None]) * inv_t).astype(weights_dtype)[:, :vocab].reshape(*lead, vocab)
+  target = row_group if row_group is not None else max(1, (1 << 19) // x.shape[1])
   if uniforms is not None:
     u = jnp.asarray(uniforms, jnp.float32).reshape(rows)
   else:
     u = _row_uniforms(key, rows, _largest_divisor(rows, target))
-  samples = _inverse_cdf(u, x, inv_t, m, block_sums, block)
+  samples = _inverse_cdf(u, x, inv_t, xmax, block_sums, block)
   return StepStatistics(samples=samples.reshape(lead), argmax=argmax.astype(jnp.int32).reshape(lead),
                         entropy=token_entropy.reshape(lead), weights=weights, total=s.reshape(lead))
 
 
-def sample_argmax_entropy(key: Array, logits: Array, temperature, *, chunk_size: int = 2048,
+def sample_argmax_entropy(key: Array, logits: Array, temperature, *,
                           row_group: int | None = None) -> tuple[Array, Array, Array]:
-  """Sample, argmax and entropy of `softmax(logits / temperature)` in two vectorised passes (`step_statistics`).
+  """Sample, argmax and entropy of `softmax(logits / temperature)` in one vectorised pass (`step_statistics`).
 
   logits `[..., V]`; returns `(samples, argmax, entropy)` of shape `[...]` (int32, int32, float32): equal in
   distribution to `sample_tokens(key, logits / T)`, equal to `argmax_canvas(logits / T)` (ties: the first index)
@@ -241,7 +210,7 @@ def sample_argmax_entropy(key: Array, logits: Array, temperature, *, chunk_size:
   256 x 32k random numbers cost about as much as a forward pass) it draws one uniform per position and inverts the
   CDF over blocks of 128 tokens.
   """
-  stats = step_statistics(key, logits, temperature, chunk_size=chunk_size, row_group=row_group)
+  stats = step_statistics(key, logits, temperature, row_group=row_group)
   return stats.samples, stats.argmax, stats.entropy
 
 

@@ -207,7 +207,7 @@ def test_allowed_tokens_and_pins():
 def test_fused_sample_argmax_entropy_matches_separate_functions(shape):
   logits = jnp.asarray(_logits(9, *shape))
   temp = 0.7
-  fn = jax.jit(lambda k, x: eb.sample_argmax_entropy(k, x, temp, chunk_size=256, row_group=3))
+  fn = jax.jit(lambda k, x: eb.sample_argmax_entropy(k, x, temp, row_group=3))
   samples, argmax, ent = fn(jax.random.key(0), logits)
   np.testing.assert_array_equal(np.asarray(argmax), np.asarray(eb.argmax_canvas(logits / temp)))
   np.testing.assert_allclose(np.asarray(ent), np.asarray(eb.entropy(logits / temp)), rtol=1e-4, atol=1e-5)
