@@ -127,7 +127,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.lora = ml_collections.ConfigDict(dict(
       enabled=True, rank=8, alpha=16.0, dropout=0.0, target_modules="all-linear", param_dtype="float32", seed=0,
-      # QLoRA: 'fp8' (a 48 GB card) or 'int4' - the frozen base quantized tensor by tensor as it loads
+      # QLoRA: 'fp8' (a 48 GB card), 'int4' or 'nvfp4' - the frozen base quantized tensor by tensor as it loads
       base_quantization="none", base_block_size=64))
 
   config.mesh = ml_collections.ConfigDict(dict(

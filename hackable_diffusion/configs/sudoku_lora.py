@@ -134,7 +134,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora = ml_collections.ConfigDict(dict(
       enabled=True, rank=8, alpha=16.0, dropout=0.0,
       target_modules=("self_attn.(q|k|v|o)_proj", "mlp.(gate|up|down)_proj"), param_dtype="float32", seed=0,
-      base_quantization="none", base_block_size=64))  # QLoRA: 'fp8' / 'int4' (lora.qlora)
+      base_quantization="none", base_block_size=64))  # QLoRA: 'fp8' / 'int4' / 'nvfp4' (lora.qlora)
 
   # Device mesh (hackable_diffusion.sharding, docs/scaling.md): all 1 = one device. -1 on one axis = the rest.
   config.mesh = ml_collections.ConfigDict(dict(

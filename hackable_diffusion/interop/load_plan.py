@@ -6,8 +6,8 @@ encoder copies; a quantized weight's parts `weight` / `weight_scale` / ... toget
 fused expert tensor), and `plan` checks every shape, dtype and scale and returns, per file, the source factory of
 each variable (`interop.placement`), before any tensor is read. Every problem is a one-line `CheckpointError`
 naming the tensor. Dequantization itself: `interop.quantized`; running the plan: `interop.hf.load_weights`.
-`stored_fp8` / `stacked_fp8` read an FP8 weight's stored values and scales as they are (no dequantization), for a
-base kept quantized on the device (QLoRA, `interop.qlora_load`).
+`stored_quantized` / `stacked_quantized` read an FP8 or NVFP4 weight's stored values and scales as they are (no
+dequantization), for a base kept quantized on the device (QLoRA, `interop.qlora_load`).
 """
 
 from __future__ import annotations
@@ -141,35 +141,43 @@ def _stacked_experts(target: str, pieces: Mapping[tuple[int, str], str], layers:
   return read
 
 
-def stored_fp8(layer: Layer, where: Mapping[str, Location]) -> tuple[np.ndarray, np.ndarray] | None:
-  """A (checked) FP8 layer as stored: float8_e4m3fn values `[out, in]` and float32 scales `[out, 1]` (a per-tensor
-  scale repeated for every channel: the same dense value `values * scale`); None for a dense or NVFP4 layer."""
-  if quantized.quantized_kind(layer.parts) != quantized.FP8:
+def stored_quantized(layer: Layer, where: Mapping[str, Location], kind: str) -> tuple[np.ndarray, ...] | None:
+  """A (checked) quantized layer of `kind` as stored, every part with the output axis first; None for a dense layer
+  or another kind.
+
+  FP8: (float8_e4m3fn values `[out, in]`, float32 scales `[out, 1]`: a per-tensor scale repeated for every channel,
+  the same dense value `values * scale`). NVFP4: (uint8 FP4 codes `[out, in]`, unpacked, one per byte;
+  float8_e4m3fn block scales `[out, in / 16]`; float32 global scales `[out, 1]`, the tensor's repeated)."""
+  if quantized.quantized_kind(layer.parts) != kind:
     return None
   weight = quantized.read_quantized(layer.parts, lambda name: _read_stored(name, where))
+  scale = np.asarray(weight.scale)
+  if kind == quantized.NVFP4:
+    codes = quantized.unpack_codes(np.asarray(weight.data, np.uint8))
+    block = scale.view(jnp.float8_e4m3fn) if scale.dtype == np.uint8 else scale.astype(jnp.float8_e4m3fn)
+    global_scale = np.asarray(weight.global_scale, np.float32).reshape(())
+    return codes, block, np.full((codes.shape[0], 1), global_scale, np.float32)
   data = np.asarray(weight.data)
   data = data.view(jnp.float8_e4m3fn) if data.dtype == np.uint8 else data.astype(jnp.float8_e4m3fn)
-  scale = np.asarray(weight.scale)
   scale = (scale.view(jnp.float8_e4m3fn) if scale.dtype == np.uint8 else scale).astype(np.float32)
   return data, np.broadcast_to(scale.reshape(-1, 1), (data.shape[0], 1)).copy()
 
 
-def stacked_fp8(target: str, pieces: Mapping[tuple[int, str], str], layers: Mapping[str, Layer],
-                where: Mapping[str, Location], num_experts: int) -> tuple[np.ndarray, np.ndarray] | None:
-  """The per-expert FP8 weights of one fused expert tensor as stored, stacked like `_stacked_experts` (values
-  `[E, out, in]` float8_e4m3fn, scales `[E, out, 1]` float32); None unless every piece is FP8. Call after `plan`
-  (which checks the pieces)."""
+def stacked_quantized(target: str, pieces: Mapping[tuple[int, str], str], layers: Mapping[str, Layer],
+                      where: Mapping[str, Location], num_experts: int, kind: str) -> tuple[np.ndarray, ...] | None:
+  """The per-expert weights of one fused expert tensor as stored (`stored_quantized`), stacked like
+  `_stacked_experts` (every part `[E, out, ...]`, gate and up concatenated along out); None unless every piece is of
+  `kind`. Call after `plan` (which checks the pieces)."""
   projs = ("gate_proj", "up_proj") if target.endswith("gate_up_proj") else ("down_proj",)
   prefix = target.rsplit(".", 1)[0]
   keys = [[f"{prefix}.{index}.{proj}.weight" for proj in projs] for index in range(num_experts)]
-  if any(quantized.quantized_kind(layers[k].parts) != quantized.FP8 for row in keys for k in row):
+  if any(quantized.quantized_kind(layers[k].parts) != kind for row in keys for k in row):
     return None
-  values, scales = [], []
+  experts = []
   for row in keys:
-    read = [stored_fp8(layers[k], where) for k in row]
-    values.append(np.concatenate([v for v, _ in read], axis=0))
-    scales.append(np.concatenate([s for _, s in read], axis=0))
-  return np.stack(values), np.stack(scales)
+    read = [stored_quantized(layers[k], where, kind) for k in row]
+    experts.append([np.concatenate(parts, axis=0) for parts in zip(*read)])
+  return tuple(np.stack(parts) for parts in zip(*experts))
 
 
 @dataclasses.dataclass
@@ -255,4 +263,5 @@ def plan(grouped: Grouped, names: Mapping[str, Any], variables: Mapping[Any, nnx
   return out
 
 
-__all__ = ["Grouped", "Layer", "Location", "SourceFactory", "group", "locate", "plan", "stacked_fp8", "stored_fp8"]
+__all__ = ["Grouped", "Layer", "Location", "SourceFactory", "group", "locate", "plan", "stacked_quantized",
+           "stored_quantized"]

@@ -1,6 +1,6 @@
 """Loading a Hugging Face checkpoint with its base quantized tensor by tensor (QLoRA, `lora.qlora`).
 
-    model = load_pretrained_quantized("path/or/hub-id", "int4")          # or "fp8"
+    model = load_pretrained_quantized("path/or/hub-id", "int4")          # or "fp8", "nvfp4"
     model = lora.apply_lora(model, lora.LoraConfig(rank=8, base_quantization="int4"), rngs=nnx.Rngs(0))
 
 The same plan as `hd.load_pretrained` (`interop.load_plan`: every name, shape, dtype and scale checked before any
@@ -9,9 +9,11 @@ router, and the experts): each is read alone, quantized on the host CPU (`qwix`,
 values and scales are put on the device, so the device never holds a dense copy of the model (peak: the quantized
 model plus one dense tensor in host memory). In 'fp8' mode the FP8 weights of a compressed-tensors checkpoint
 (float8_e4m3fn + per-channel or per-tensor `weight_scale`; `interop.quantized`) are kept as stored - values and
-scales as they are, never rounded through bf16 (the dense value is bit for bit the dequantizing loader's); a dense
-or NVFP4 weight is dequantized to float32 and quantized. Every other variable (embedding, norms, router, buffers)
-is loaded as `hd.load_pretrained` loads it.
+scales as they are, never rounded through bf16 (the dense value is bit for bit the dequantizing loader's); in
+'nvfp4' mode its NVFP4 weights are (FP4 codes, float8 block scales, global scale: the dense value is bit for bit
+compressed-tensors' float32 product before its bfloat16 cast). Any other weight is dequantized to float32 and
+quantized (an NVFP4 weight read in 'int4' mode is rounded a second time, onto the int4 grid). Every other variable
+(embedding, norms, router, buffers) is loaded as `hd.load_pretrained` loads it.
 """
 
 from __future__ import annotations
@@ -64,26 +66,48 @@ def _targets(model: nnx.Module) -> dict[Path, tuple[Path, str | None]]:
   return out
 
 
-def _stored_fp8(key: str, grouped: load_plan.Grouped, where: Any, var: nnx.Variable,
-                param: str | None) -> qwix.QArray | None:
-  """The checkpoint's own FP8 values and scales of one weight in our layout, or None when it is not stored as FP8."""
+_KINDS = {qlora.FP8: quantized.FP8, qlora.NVFP4: quantized.NVFP4}  # modes that keep a checkpoint's own weights
+
+
+def _as_qarray(raw: tuple[np.ndarray, ...], kind: str, kernel: bool,
+               groups: int = 1) -> tuple[qwix.QArray, jax.Array | None]:
+  """Stored parts (`load_plan.stored_quantized`, output axis first) -> (QArray, NVFP4 scale table or None) in our
+  layout: a kernel `[in, out]` (transposed), expert tensors `[E, out, in]` as stored (`groups`: tensors
+  concatenated along out, each with its own global scale: 2 for gate and up)."""
+  swap = (lambda x: x.T) if kernel else (lambda x: x)  # noqa: E731
+  if kind == quantized.FP8:
+    values, scales = raw
+    return qwix.QArray(swap(values), swap(scales), qtype=jnp.float8_e4m3fn), None
+  codes, block, global_scale = raw  # global_scale [(E,) out, 1]: each tensor's repeated over its rows
+  values = np.ascontiguousarray(swap(codes)).view(jnp.float4_e2m1fn)  # one code a byte -> its FP4 value
+  rows = global_scale.shape[-2]
+  table = qlora.scale_table(global_scale[..., ::rows // groups, 0])  # [(E,) G, 256]
+  return qwix.QArray(values, np.ascontiguousarray(swap(block)), qtype=jnp.float4_e2m1fn), table
+
+
+def _stored(key: str, grouped: load_plan.Grouped, where: Any, var: nnx.Variable, param: str | None,
+            mode: str) -> tuple[qwix.QArray, np.ndarray | None] | None:
+  """The checkpoint's own quantized values and scales of one weight in our layout (FP8 in 'fp8' mode, NVFP4 in
+  'nvfp4' mode), or None when it is stored otherwise."""
+  kind = _KINDS.get(mode)
+  if kind is None:
+    return None
   if param is None:
-    raw = load_plan.stored_fp8(grouped.layers[key], where) if key in grouped.layers else None
-    if raw is None:
-      return None
-    values, scales = raw  # [out, in], [out, 1]
-    return qwix.QArray(values.T, scales.T, qtype=jnp.float8_e4m3fn)  # [in, out], [1, out]
+    raw = load_plan.stored_quantized(grouped.layers[key], where, kind) if key in grouped.layers else None
+    return None if raw is None else _as_qarray(raw, kind, kernel=True)
   if key not in grouped.experts:
     return None  # a fused expert tensor: stored dense (compressed-tensors quantizes nn.Linear modules only)
-  raw = load_plan.stacked_fp8(key, grouped.experts[key], grouped.layers, where, var.shape[0])
-  return None if raw is None else qwix.QArray(raw[0], raw[1], qtype=jnp.float8_e4m3fn)
+  raw = load_plan.stacked_quantized(key, grouped.experts[key], grouped.layers, where, var.shape[0], kind)
+  groups = 2 if param == "gate_up_proj" else 1  # gate and up stored apart, each with its own global scale
+  return None if raw is None else _as_qarray(raw, kind, kernel=False, groups=groups)
 
 
-def _quantize(value: np.ndarray, spec: qlora.QuantizationSpec, param: str | None, name: str) -> qwix.QArray:
+def _quantize(value: np.ndarray, spec: qlora.QuantizationSpec, param: str | None,
+              name: str) -> tuple[qwix.QArray, jax.Array | None]:
   with _host():
     if param is None:  # kernel [in, out]
-      return qlora.quantize(value, spec, in_axis=0, out_axes=(1,), name=name)
-    return qlora.quantize(value, spec, in_axis=2, out_axes=(0, 1), name=name)  # [E, out, in]
+      return qlora.quantize_weight(value, spec, in_axis=0, out_axes=(1,), name=name)
+    return qlora.quantize_weight(value, spec, in_axis=2, out_axes=(0, 1), name=name)  # [E, out, in]
 
 
 def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.QuantizationSpec, *, mesh: Mesh | None = None,
@@ -103,7 +127,7 @@ def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.Quantizatio
   grouped = load_plan.group(names, where, config)
   planned = load_plan.plan(grouped, names, variables, where, config, files)
   place = place_on_host if mesh is None else place_in_shards(mesh, rules)
-  qarrays: dict[Path, dict[str | None, qwix.QArray]] = {}
+  qarrays: dict[Path, dict[str | None, tuple[qwix.QArray, Any]]] = {}
   loaded: set[str] = set()
   kept = 0
   for file in files:
@@ -118,7 +142,7 @@ def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.Quantizatio
           var.set_value(place(factory(handle), var))
           continue
         module_path, param = targets[var_path]
-        q = _stored_fp8(key, grouped, where, var, param) if spec.mode == qlora.FP8 else None
+        q = _stored(key, grouped, where, var, param, spec.mode)
         if q is None:
           q = _quantize(factory(handle).read(), spec, param, key)
         else:
@@ -132,13 +156,16 @@ def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.Quantizatio
     logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path,
                     grouped.skipped_vision)
   if kept:
-    logging.info("%s: kept %d FP8 weights with their stored scales (no dequantization)", path, kept)
+    logging.info("%s: kept %d %s weights with their stored scales (no dequantization)", path, kept,
+                 spec.mode.upper())
   for module_path, parts in qarrays.items():
     base = qlora.module_at(model, module_path)
     if isinstance(base, moe.Experts):
-      new = qlora.QuantizedExperts(base, parts, spec.mode, base.gate_up_proj.dtype)
+      tables = {p: t for p, (_, t) in parts.items() if t is not None}
+      new = qlora.QuantizedExperts(base, {p: q for p, (q, _) in parts.items()}, spec.mode, base.gate_up_proj.dtype,
+                                   tables or None)
     else:
-      new = qlora.QuantizedLinear(base, parts[None], spec.mode)
+      new = qlora.QuantizedLinear(base, parts[None][0], spec.mode, parts[None][1])
     qlora.set_module(model, module_path, new)
   _place_quantized(model, mesh, rules)
   return model
@@ -158,7 +185,7 @@ def _place_quantized(model: nnx.Module, mesh: Mesh | None, rules: Rules) -> None
 def load_pretrained_quantized(path: str, base_quantization: str, dtype: Any = "auto", *, block_size: int = 64,
                               compute_dtype: Any = None, mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES,
                               **config_overrides: Any) -> DiffusionGemma:
-  """`hd.load_pretrained` with the base quantized tensor by tensor: `base_quantization` 'fp8' or 'int4'
+  """`hd.load_pretrained` with the base quantized tensor by tensor: `base_quantization` 'fp8', 'int4' or 'nvfp4'
   (`block_size`: input elements per int4 scale). `dtype`: the dense parameters' dtype (the embedding, norms, router;
   what the quantized weights dequantize back to on export), 'auto' = the checkpoint's; `compute_dtype`: the
   forward's (default `dtype`). Then `lora.apply_lora(model, LoraConfig(..., base_quantization=<same mode>))`.

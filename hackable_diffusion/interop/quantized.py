@@ -254,9 +254,14 @@ def read_quantized(parts: Mapping[str, str], read: Callable[[str], np.ndarray]) 
 
 
 # ---- dequantization -----------------------------------------------------------------------------------------------
+def unpack_codes(packed: np.ndarray) -> np.ndarray:
+  """uint8 `[..., n]` of two FP4 E2M1 codes each (even column in the low nibble) -> the codes, uint8 `[..., 2n]`."""
+  return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def unpack_fp4(packed: np.ndarray) -> np.ndarray:
   """uint8 `[..., n]` of two FP4 E2M1 codes each (even column in the low nibble) -> float32 `[..., 2n]`."""
-  codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+  codes = unpack_codes(packed)
   values = E2M1_VALUES[codes & 0x07]
   return np.where(codes & 0x08, -values, values)
 
@@ -286,4 +291,4 @@ def dequantize(weight: QuantizedWeight, *, nvfp4_rounding: Any = jnp.bfloat16) -
 
 __all__ = ["ACTIVATION_PARTS", "E2M1_VALUES", "FP8", "NVFP4", "NVFP4_GROUP_SIZE", "QuantizationConfig",
            "QuantizedWeight", "StoredPart", "WEIGHT_PARTS", "check_quantized", "dequantize",
-           "parse_quantization_config", "quantized_kind", "read_quantized", "unpack_fp4"]
+           "parse_quantization_config", "quantized_kind", "read_quantized", "unpack_codes", "unpack_fp4"]

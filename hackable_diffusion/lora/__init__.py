@@ -6,8 +6,8 @@
 
 Adapter dropout (`LoraConfig.dropout`) needs an explicit key per step: `rest = lora.set_dropout_key(rest, key)`.
 
-QLoRA: `lora.LoraConfig(..., base_quantization='fp8' | 'int4')` quantizes the frozen base on the device (`lora.qlora`;
-a checkpoint loaded quantized tensor by tensor: `hackable_diffusion.interop.qlora_load`).
+QLoRA: `lora.LoraConfig(..., base_quantization='fp8' | 'int4' | 'nvfp4')` quantizes the frozen base on the device
+(`lora.qlora`; a checkpoint loaded quantized tensor by tensor: `hackable_diffusion.interop.qlora_load`).
 
 PEFT files (adapter_model.safetensors + adapter_config.json) are in `hackable_diffusion.interop.peft`.
 """

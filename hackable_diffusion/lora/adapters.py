@@ -21,8 +21,9 @@ Dropout (on the adapter input, as PEFT) needs an explicit key and is off otherwi
 forbids mutating variables inside `jax.grad`). Evaluation and sampling never set a key, so they see no dropout.
 Each adapter folds its own index into the key. Expert adapters have no dropout (PEFT cannot express it either).
 
-QLoRA (`LoraConfig.base_quantization='fp8' | 'int4'`): `apply_lora` first quantizes the base (`lora.qlora`: every
-linear layer but the router, and the experts; a base already quantized, e.g. by `interop.qlora_load`, is kept) and
+QLoRA (`LoraConfig.base_quantization='fp8' | 'int4' | 'nvfp4'`): `apply_lora` first quantizes the base
+(`lora.qlora`: every linear layer but the router, and the experts; a base already quantized, e.g. by
+`interop.qlora_load`, is kept) and
 wraps the quantized modules with `QLoRALinear` / `QLoRAExperts`: the same adapters on a base dequantized inside the
 layer's forward.
 """
@@ -62,8 +63,9 @@ class LoraConfig:
     `self_conditioning.mlp.gate_proj`; or the keyword `"all-linear"` (every linear layer except the router,
     including the self-conditioning MLP; experts excluded). Every regex must match something.
   param_dtype: dtype of the adapter parameters (float32 keeps small updates of a bf16 model exact).
-  base_quantization: 'none' (the base as it is), 'fp8' or 'int4' (QLoRA: the frozen base quantized on the device,
-    dequantized inside each layer's forward; see `lora.qlora`). base_block_size: input elements per int4 scale.
+  base_quantization: 'none' (the base as it is), 'fp8', 'int4' or 'nvfp4' (QLoRA: the frozen base quantized on the
+    device, dequantized inside each layer's forward; see `lora.qarrays`). base_block_size: input elements per int4
+    scale (NVFP4's blocks are 16).
   """
 
   rank: int = 8

@@ -1,25 +1,14 @@
-"""QLoRA's base: linear layers and experts whose frozen weights stay quantized on the device (FP8 or int4).
+"""QLoRA's base: linear layers and experts whose frozen weights stay quantized on the device (FP8, int4, NVFP4).
 
-The quantized array format and its (de)quantization are `qwix`'s (`qwix.QArray`, `qwix.quantize`,
-`qwix.dequantize`): a quantized weight is `qvalue` (the weight's shape, 1 byte or half a byte per element) and
-`scale` (one per output channel, or per block of `block_size` input elements and output channel), dense value
-`qvalue * scale`. Two modes (`LoraConfig.base_quantization`):
-
-- 'fp8': float8_e4m3fn values, one float32 scale per output channel, `scale = max|row| / 448` (the layout of the
-  compressed-tensors FP8 "channel" checkpoints; such a checkpoint's own values and scales are kept as stored,
-  `interop.qlora_load`).
-- 'int4': int4 values in blocks of `block_size` elements along the input axis, one bfloat16 scale per block and
-  output channel, `scale = max|block| / 7.5` (qwix's symmetric int4; QLoRA's 4-bit blocks, without NF4's
-  non-uniform levels: qwix stores NF4 as uint4, which orbax cannot checkpoint).
-
-The modules keep the base parameter paths: `QuantizedLinear.kernel` holds the values of the `[in, out]` kernel and
-`kernel_scale` the scales; `QuantizedExperts.gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` the values and
-`<name>_scale` the scales. Values are stored as raw bytes (`stored` / `typed`): float8 one per uint8, int4 two per
-uint8 along the last axis (`[in, out / 2]`, `[E, 2I, H / 2]`; `logical_shape`). Both are `QuantizedBase` variables,
-not `nnx.Param`: no optimizer filter selects them and `jax.grad` never sees them. Dequantization happens inside the
-layer's forward (`dequantized_kernel`, `expert_weights`; under the `tiled` MoE kernel one expert at a time inside
-its loop), so under the model's per-layer remat the dense copy is recomputed in the backward pass, not kept
-(`input_tie` keeps XLA from undoing that).
+The quantized arrays (modes, qwix's format, packing, dequantization) are `lora.qarrays`'. The modules keep the base
+parameter paths: `QuantizedLinear.kernel` holds the values of the `[in, out]` kernel and `kernel_scale` the scales
+(`kernel_table`: NVFP4's scale table, else None); `QuantizedExperts.gate_up_proj [E, 2I, H]` / `down_proj
+[E, H, I]` the values and `<name>_scale` / `<name>_table` the scales. Values are stored as raw bytes (float8 one per
+uint8, int4 / FP4 two per uint8 along the last axis: `[in, out / 2]`, `[E, 2I, H / 2]`). All are `QuantizedBase`
+variables, not `nnx.Param`: no optimizer filter selects them and `jax.grad` never sees them. Dequantization happens
+inside the layer's forward (`dequantized_kernel`, `expert_weights`; under the `tiled` MoE kernel one expert at a
+time inside its loop), so under the model's per-layer remat the dense copy is recomputed in the backward pass, not
+kept (`input_tie` keeps XLA from undoing that).
 
 Which modules are quantized: every `nnx.Linear` except the router's projection (tiny, and routing is sensitive),
 and every expert tensor; the embedding (the tied LM head), norms and router stay as they are.
@@ -27,7 +16,6 @@ and every expert tensor; the embedding (the tied LM head), norms and router stay
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,132 +27,17 @@ import qwix
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.lora.qarrays import (FP8, INT4, MODES, NONE, NVFP4, QuantizationSpec, dequantize, input_tie,
+                                             is_4bit, logical_shape, quantize, quantize_weight, scale_axes,
+                                             scale_table, stored, typed)
 from hackable_diffusion.model import moe, moe_tiled
 
 Array = jax.Array
-NONE, FP8, INT4 = "none", "fp8", "int4"
-MODES = (NONE, FP8, INT4)
-QTYPES = {FP8: jnp.float8_e4m3fn, INT4: jnp.int4}
-SCALE_DTYPES = {FP8: jnp.float32, INT4: jnp.bfloat16}
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantizationSpec:
-  """How a base weight is quantized. mode: 'fp8' or 'int4'; block_size: input elements per int4 scale."""
-
-  mode: str
-  block_size: int = 64
-
-  def __post_init__(self):
-    if self.mode not in QTYPES:
-      raise ConfigError(f"base_quantization={self.mode!r} is invalid: expected one of {MODES}")
-    if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-      raise ConfigError(f"base_block_size={self.block_size!r} is invalid: expected an integer >= 1")
-
-  @property
-  def qtype(self) -> Any:
-    return QTYPES[self.mode]
-
-  @property
-  def scale_dtype(self) -> Any:
-    return SCALE_DTYPES[self.mode]
 
 
 class QuantizedBase(nnx.Variable):
   """A frozen quantized weight's values or scales (not an `nnx.Param`: never trained, never in an optimizer)."""
-
-
-# ---- arrays ---------------------------------------------------------------------------------------------------
-def quantize(w: Array, spec: QuantizationSpec, *, in_axis: int, out_axes: tuple[int, ...],
-             name: str = "weight") -> qwix.QArray:
-  """A dense weight -> its `qwix.QArray`: per output channel (`out_axes`; fp8), or per block of
-  `spec.block_size` elements along `in_axis` and output channel (int4). One-line ConfigError when the input width
-  is not a multiple of the block size."""
-  w = jnp.asarray(w, jnp.float32)
-  tiled = {}
-  if spec.mode == INT4:
-    width = w.shape[in_axis]
-    if width % spec.block_size:
-      raise ConfigError(f"base_quantization='int4': {name} has input width {width}, not a multiple of "
-                        f"base_block_size={spec.block_size}; pick a block size that divides every input width")
-    tiled = {in_axis % w.ndim: spec.block_size}
-  return qwix.quantize(w, spec.qtype, channelwise_axes=tuple(a % w.ndim for a in out_axes), tiled_axes=tiled,
-                       scale_dtype=spec.scale_dtype)
-
-
-def dequantize(qvalue: Array, scale: Array, qtype: Any, dtype: Any, tie: Array | None = None) -> Array:
-  """`qvalue * scale` (scales broadcast over their blocks; qwix's dequantization) in `dtype`.
-
-  The product is formed in float32 (exact for int4 values times bfloat16 scales; one float32 rounding for FP8
-  values times float32 scales, as `interop.quantized.dequantize`), then rounded once to `dtype`. `tie`: a float32
-  zero added to the values and the scales (`input_tie`).
-  """
-  scale = scale.astype(jnp.float32)
-  if tie is not None:
-    qvalue, scale = _tied_values(qvalue, tie), scale + tie
-  return qwix.dequantize(qwix.QArray(typed(qvalue, qtype), scale, qtype=qtype)).astype(dtype)
-
-
-def stored(values: Array, qtype: Any) -> Array:
-  """The stored form of quantized values: raw bytes (uint8). float8: one byte per value, same shape; int4: two
-  values per byte along the last axis (`[..., n] -> [..., n / 2]`; kept as int4 when n is odd)."""
-  if values.dtype == jnp.uint8:
-    return values
-  if jnp.dtype(qtype) == jnp.dtype(jnp.float8_e4m3fn):
-    return jax.lax.bitcast_convert_type(values, jnp.uint8)
-  if _is_int4(qtype) and values.shape[-1] % 2 == 0:
-    return jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2), jnp.uint8)
-  return values
-
-
-def typed(values: Array, qtype: Any) -> Array:
-  """Stored values (`stored`) as `qtype`, in their logical shape; bit for bit."""
-  if values.dtype != jnp.uint8 or jnp.dtype(qtype) == jnp.dtype(jnp.uint8):
-    return values
-  out = jax.lax.bitcast_convert_type(values, qtype)  # int4: [..., n / 2, 2]
-  return out.reshape(*values.shape[:-1], -1) if _is_int4(qtype) else out
-
-
-def logical_shape(values: Array, qtype: Any) -> tuple[int, ...]:
-  """The shape of the weight whose stored values (`stored`) are `values`."""
-  if values.dtype == jnp.uint8 and _is_int4(qtype):
-    return (*values.shape[:-1], 2 * values.shape[-1])
-  return tuple(values.shape)
-
-
-def _is_int4(qtype: Any) -> bool:
-  return jnp.dtype(qtype) == jnp.dtype(jnp.int4)
-
-
-def _tied_values(qvalue: Array, tie: Array) -> Array:
-  """Stored values with `tie` (a zero) added: an integer add on their bytes (`stored`), so the very first
-  operation on the values depends on the tie. Bit for bit the values. (An add in the values' own dtype does not
-  do: XLA:CPU first converts float8 / int4 to a wider type, and that conversion of the values alone is a loop
-  invariant it hoists, keeping 2 / 1 bytes per parameter of every layer; a bitcast of a float8 or int4 variable to
-  uint8 is hoisted as a copy, hence the uint8 storage.)"""
-  if qvalue.dtype == jnp.uint8:
-    return qvalue + tie.astype(jnp.uint8)
-  return qvalue + tie.astype(qvalue.dtype)  # int4 with an odd last axis (stored unpacked)
-
-
-def input_tie(x: Array) -> Array:
-  """A float32 zero that depends on the layer input `x` (`0 * x[0]`, which XLA does not fold for floats).
-
-  Added to the quantized values and the scales, it ties a layer's dequantization to its input, so that XLA can
-  neither hoist it out of the loop over micro-batches (a loop invariant) nor merge the backward pass's
-  recomputation (remat, whose inputs are tied to the cotangent: `model.remat`) into the forward pass: either keeps
-  every layer's dense weights alive at once (without it, the 26B-A4B FP8 step compiled on CPU kept 96 GiB of
-  float32 weights; tests/lora/test_qlora.py measures a toy). The value is unchanged for finite inputs.
-  """
-  return jnp.zeros((), jnp.float32) * x.reshape(-1)[0].astype(jnp.float32)
-
-
-def scale_axes(axes: tuple[Any, ...] | None, scale_shape: tuple[int, ...]) -> tuple[Any, ...] | None:
-  """Logical axes of a scale: the weight's, replicated where the scale has one entry."""
-  if axes is None:
-    return None
-  return tuple(a if n > 1 else None for a, n in zip(axes, scale_shape))
 
 
 def _variable(value: Array, axes: tuple[Any, ...] | None) -> QuantizedBase:
@@ -176,6 +49,24 @@ def _axes(var: nnx.Variable) -> tuple[Any, ...] | None:
   return var.get_metadata().get("out_sharding")
 
 
+def _stored_scale(scale: Array) -> Array:
+  """Scales as stored: float8 ones (NVFP4's block scales) as their bytes, the others as they are."""
+  return stored(scale, scale.dtype) if jnp.dtype(scale.dtype) == jnp.dtype(jnp.float8_e4m3fn) else scale
+
+
+def _table_variable(value: Array | None, axes: tuple[Any, ...] | None) -> QuantizedBase | None:
+  """NVFP4's scale table `[..., G, 256]` as a variable (1 KiB per group: sharded like the experts' leading axis,
+  else replicated); None in other modes."""
+  if value is None:
+    return nnx.data(None)
+  lead = (axes[0],) if axes and value.ndim == 3 else (None,) * (value.ndim - 2)
+  return _variable(jnp.asarray(value, jnp.float32), (*lead, None, None) if any(lead) else None)
+
+
+def _value(var: QuantizedBase | None) -> Array | None:
+  return None if var is None else var[...]
+
+
 # ---- modules --------------------------------------------------------------------------------------------------
 LINEAR_ATTRS = ("in_features", "out_features", "use_bias", "dtype", "param_dtype", "precision", "dot_general",
                 "promote_dtype", "preferred_element_type")
@@ -184,13 +75,14 @@ LINEAR_ATTRS = ("in_features", "out_features", "use_bias", "dtype", "param_dtype
 class QuantizedLinear(nnx.Linear):
   """A bias-free `nnx.Linear` whose `kernel [in, out]` is stored quantized (`kernel` values, `kernel_scale`).
 
-  Built from a dense layer (`QuantizedLinear(base, qarray)`); `x [..., in] -> x @ dequantize(kernel) [..., out]`
-  in the layer's compute dtype. `param_dtype` stays the dense layer's (what `dequantize_base` and export restore).
+  Built from a dense layer (`QuantizedLinear(base, qarray, mode, table)`; `table [G, 256]`: NVFP4's scale table);
+  `x [..., in] -> x @ dequantize(kernel) [..., out]` in the layer's compute dtype. `param_dtype` stays the dense
+  layer's (what `dequantize_base` and export restore).
   """
 
-  QUANTIZED_ATTRS = ("kernel_scale", "qtype", "quantization")
+  QUANTIZED_ATTRS = ("kernel_scale", "kernel_table", "qtype", "quantization")
 
-  def __init__(self, base: nnx.Linear, qarray: qwix.QArray, mode: str):
+  def __init__(self, base: nnx.Linear, qarray: qwix.QArray, mode: str, table: Array | None = None):
     if base.use_bias:
       raise ValueError("QuantizedLinear: a linear layer with a bias is not supported (the model has none)")
     for name in LINEAR_ATTRS:
@@ -200,14 +92,15 @@ class QuantizedLinear(nnx.Linear):
                        "layer")
     axes = _axes(base.kernel)
     self.kernel = _variable(stored(qarray.qvalue, qarray.qtype), axes)
-    self.kernel_scale = _variable(qarray.scale, scale_axes(axes, qarray.scale.shape))
+    self.kernel_scale = _variable(_stored_scale(qarray.scale), scale_axes(axes, qarray.scale.shape))
+    self.kernel_table = _table_variable(table, None)
     self.bias = nnx.data(None)
     self.qtype, self.quantization = qarray.qtype, mode
 
   def dequantized_kernel(self, dtype: Any = None, tie: Array | None = None) -> Array:
     """The dense kernel [in, out] in `dtype` (default: the compute dtype, else the dense layer's dtype)."""
     dtype = dtype or self.dtype or self.param_dtype
-    return dequantize(self.kernel[...], self.kernel_scale[...], self.qtype, dtype, tie)
+    return dequantize(self.kernel[...], self.kernel_scale[...], self.qtype, dtype, tie, _value(self.kernel_table))
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     kernel = self.dequantized_kernel(tie=input_tie(inputs))
@@ -221,11 +114,14 @@ class QuantizedLinear(nnx.Linear):
 
 class QuantizedExperts(moe.Experts):
   """`moe.Experts` whose `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` are stored quantized (per expert
-  and output channel, or per block along the input axis H / I), dequantized in `expert_weights`."""
+  and output channel, or per block along the input axis H / I), dequantized in `expert_weights`. NVFP4: `tables`
+  `{name: [E, G, 256]}` (`qarrays.scale_table`; G = 2 for gate and up quantized apart)."""
 
-  QUANTIZED_ATTRS = ("gate_up_proj_scale", "down_proj_scale", "qtype", "quantization", "param_dtype")
+  QUANTIZED_ATTRS = ("gate_up_proj_scale", "down_proj_scale", "gate_up_proj_table", "down_proj_table", "qtype",
+                     "quantization", "param_dtype")
 
-  def __init__(self, base: moe.Experts, qarrays: Mapping[str, qwix.QArray], mode: str, param_dtype: Any):
+  def __init__(self, base: moe.Experts, qarrays: Mapping[str, qwix.QArray], mode: str, param_dtype: Any,
+               tables: Mapping[str, Array] | None = None):
     self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
     qtypes = set()
     for name in EXPERT_PARAMS:
@@ -234,7 +130,8 @@ class QuantizedExperts(moe.Experts):
         raise ValueError(f"quantized {name} {q.shape} does not fit a {tuple(var.shape)} expert tensor")
       axes = _axes(var)
       setattr(self, name, _variable(stored(q.qvalue, q.qtype), axes))
-      setattr(self, f"{name}_scale", _variable(q.scale, scale_axes(axes, q.scale.shape)))
+      setattr(self, f"{name}_scale", _variable(_stored_scale(q.scale), scale_axes(axes, q.scale.shape)))
+      setattr(self, f"{name}_table", _table_variable((tables or {}).get(name), axes))
       qtypes.add(q.qtype)
     (self.qtype,) = qtypes
     self.quantization, self.param_dtype = mode, jnp.dtype(param_dtype).name
@@ -242,7 +139,7 @@ class QuantizedExperts(moe.Experts):
   def dequantized(self, name: str, dtype: Any = None, tie: Array | None = None) -> Array:
     """The dense expert tensor `name` ('gate_up_proj' / 'down_proj') in `dtype` (default: the compute dtype)."""
     return dequantize(getattr(self, name)[...], getattr(self, f"{name}_scale")[...], self.qtype, dtype or self.dtype,
-                      tie)
+                      tie, _value(getattr(self, f"{name}_table")), out_axis=-2)
 
   def weight_shape(self, name: str) -> tuple[int, ...]:
     return logical_shape(getattr(self, name)[...], self.qtype)
@@ -260,7 +157,8 @@ class QuantizedExperts(moe.Experts):
     num_experts = self.gate_up_proj.shape[0]
     if type(self).expert_weights is QuantizedExperts.expert_weights and moe.resolve_moe_impl(
         self.impl, num_experts) == "tiled":
-      stored_values = tuple((getattr(self, n)[...], getattr(self, f"{n}_scale")[...]) for n in EXPERT_PARAMS)
+      stored_values = tuple((getattr(self, n)[...], getattr(self, f"{n}_scale")[...],
+                             _value(getattr(self, f"{n}_table"))) for n in EXPERT_PARAMS)
       ties = jnp.broadcast_to(tie, (num_experts,))  # [E]: scanned with the experts
       decode = functools.partial(_decode_expert, qtype=self.qtype, dtype=self.dtype)
       return moe_tiled.frozen_tiled_experts(x, weights, idx, (stored_values, ties), decode, num_experts)
@@ -269,22 +167,26 @@ class QuantizedExperts(moe.Experts):
 
 
 def _decode_expert(stored_expert, *, qtype: Any, dtype: Any) -> tuple[Array, Array]:
-  """One expert's ((values, scale) of gate_up, (values, scale) of down), tie) -> its dense (gate_up [2I, H],
-  down [H, I]) in `dtype` (`frozen_tiled_experts`' decode)."""
-  ((gu, gu_scale), (dn, dn_scale)), tie = stored_expert
-  return dequantize(gu, gu_scale, qtype, dtype, tie), dequantize(dn, dn_scale, qtype, dtype, tie)
+  """One expert's ((values, scale, NVFP4 table or None) of gate_up, the same of down), tie) -> its dense (gate_up
+  [2I, H], down [H, I]) in `dtype` (`frozen_tiled_experts`' decode)."""
+  ((gu, gu_scale, gu_table), (dn, dn_scale, dn_table)), tie = stored_expert
+  return (dequantize(gu, gu_scale, qtype, dtype, tie, gu_table, out_axis=-2),
+          dequantize(dn, dn_scale, qtype, dtype, tie, dn_table, out_axis=-2))
 
 
 def quantize_linear(base: nnx.Linear, spec: QuantizationSpec, name: str = "kernel") -> QuantizedLinear:
   """A dense bias-free linear layer -> its `QuantizedLinear` (kernel [in, out]: blocks along axis 0)."""
-  return QuantizedLinear(base, quantize(base.kernel[...], spec, in_axis=0, out_axes=(1,), name=name), spec.mode)
+  qarray, table = quantize_weight(base.kernel[...], spec, in_axis=0, out_axes=(1,), name=name)
+  return QuantizedLinear(base, qarray, spec.mode, table)
 
 
 def quantize_experts(base: moe.Experts, spec: QuantizationSpec, name: str = "experts") -> QuantizedExperts:
   """Dense experts -> `QuantizedExperts` ([E, out, in] tensors: scales per expert and output channel)."""
-  qarrays = {p: quantize(getattr(base, p)[...], spec, in_axis=2, out_axes=(0, 1), name=f"{name}.{p}")
-             for p in EXPERT_PARAMS}
-  return QuantizedExperts(base, qarrays, spec.mode, base.gate_up_proj.dtype)
+  done = {p: quantize_weight(getattr(base, p)[...], spec, in_axis=2, out_axes=(0, 1), name=f"{name}.{p}")
+          for p in EXPERT_PARAMS}
+  tables = {p: t for p, (_, t) in done.items() if t is not None}
+  return QuantizedExperts(base, {p: q for p, (q, _) in done.items()}, spec.mode, base.gate_up_proj.dtype,
+                          tables or None)
 
 
 # ---- whole models ---------------------------------------------------------------------------------------------
@@ -404,15 +306,16 @@ def dequantize_base(model: nnx.Module) -> nnx.Module:
 
 
 def quantized_nbytes(model: nnx.Module) -> int:
-  """Bytes of the quantized base (values + scales), int4 counted at half a byte."""
+  """Bytes of the quantized base (values + scales), unpacked 4-bit values counted at half a byte."""
   total = 0
   for _, var in nnx.to_flat_state(nnx.state(model, QuantizedBase)):
-    four_bit = jnp.dtype(var.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4))
+    four_bit = is_4bit(var.dtype) or jnp.dtype(var.dtype) == jnp.dtype(jnp.uint4)
     total += int(np.prod(var.shape)) * (4 if four_bit else 8 * jnp.dtype(var.dtype).itemsize) // 8
   return total
 
 
-__all__ = ["EXPERT_PARAMS", "FP8", "INT4", "MODES", "NONE", "QuantizationSpec", "QuantizedBase", "QuantizedExperts",
-           "QuantizedLinear", "base_quantization", "dequantize", "dequantize_base", "input_tie", "is_quantized",
-           "module_at", "plain_module", "quantization_targets", "quantize", "quantize_base", "quantize_experts",
-           "quantize_linear", "quantized_nbytes", "scale_axes", "set_module", "stored", "typed"]
+__all__ = ["EXPERT_PARAMS", "FP8", "INT4", "MODES", "NONE", "NVFP4", "QuantizationSpec", "QuantizedBase",
+           "QuantizedExperts", "QuantizedLinear", "base_quantization", "dequantize", "dequantize_base", "input_tie",
+           "is_quantized", "logical_shape", "module_at", "plain_module", "quantization_targets", "quantize",
+           "quantize_base", "quantize_experts", "quantize_linear", "quantize_weight", "quantized_nbytes", "scale_axes",
+           "scale_table", "set_module", "stored", "typed"]

@@ -1,7 +1,8 @@
-"""QLoRA with checkpoints and the trainer: loading a base quantized tensor by tensor (FP8 checkpoints kept as stored),
-the PEFT export of a QLoRA model in transformers + peft, the merged export, and `hd.SFTTrainer` with a quantized base.
+"""QLoRA with checkpoints and the trainer: loading a base quantized tensor by tensor (FP8 and NVFP4 checkpoints kept as
+stored), the PEFT export of a QLoRA model in transformers + peft, the merged export, and `hd.SFTTrainer` with a
+quantized base.
 
-The FP8 checkpoints are the ones tests/interop/test_quantized.py builds with compressed-tensors itself.
+The FP8 and NVFP4 checkpoints are the ones tests/interop/test_quantized.py builds with compressed-tensors itself.
 """
 
 from __future__ import annotations
@@ -130,8 +131,59 @@ def test_nvfp4_checkpoint_into_int4_equals_quantizing_the_dequantized_load(check
   assert qlora.base_quantization(loaded) == "int4"
 
 
+@pytest.mark.parametrize("layout", ["fused", "experts"])
+def test_nvfp4_checkpoint_is_kept_as_stored(checkpoints, layout):  # noqa: F811
+  """An NVFP4 checkpoint read in 'nvfp4' mode keeps its FP4 codes, float8 block scales and global scale as stored
+  (compared with the checkpoint's bytes, read here with safetensors); every quantized weight's dense value, rounded
+  to bfloat16, is bit for bit the dense loader's (which equals compressed-tensors' own decompression,
+  tests/interop/test_quantized.py): no second rounding, unlike the int4 route. Per-expert NVFP4 experts are kept;
+  fused experts (stored dense) are quantized to NVFP4 at load."""
+  path = checkpoints("NVFP4", layout)
+  model = load_pretrained_quantized(path, "nvfp4")
+  dense = hd.load_pretrained(path)
+  stored = _stored(path)
+  q = model.layers[1].self_attn.q_proj
+  name = "model.decoder.layers.1.self_attn.q_proj"
+  codes = stored[f"{name}.weight_packed"].numpy()  # uint8 [out, in / 2], two FP4 codes a byte
+  ours = np.asarray(qlora.typed(q.kernel[...], q.qtype)).astype(np.float32).T  # [out, in]
+  lo, hi = codes & 0x0F, codes >> 4
+  np.testing.assert_array_equal(ours[:, 0::2], np.arange(16, dtype=np.uint8).view(jnp.float4_e2m1fn)[lo].astype(
+      np.float32))
+  np.testing.assert_array_equal(ours[:, 1::2], np.arange(16, dtype=np.uint8).view(jnp.float4_e2m1fn)[hi].astype(
+      np.float32))
+  np.testing.assert_array_equal(np.asarray(q.kernel_scale[...]).T, stored[f"{name}.weight_scale"].view(
+      torch.uint8).numpy())
+  global_scale = stored[f"{name}.weight_global_scale"].float().numpy().reshape(())
+  fp8_values = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+  with np.errstate(invalid="ignore"):  # the table: every float8 value over the global scale, correctly rounded
+    np.testing.assert_array_equal(np.asarray(q.kernel_table[...]), (fp8_values / global_scale)[None])
+  kept = 0
+  for module_path, module in qlora.quantization_targets(model):
+    assert qlora.is_quantized(module) and module.quantization == "nvfp4", module_path
+    reference = qlora.module_at(dense, module_path)
+    for param in (["kernel"] if isinstance(module, qlora.QuantizedLinear) else list(qlora.EXPERT_PARAMS)):
+      value = module.dequantized_kernel(jnp.float32) if param == "kernel" else module.dequantized(param, jnp.float32)
+      expected = np.asarray(getattr(reference, param)[...], np.float32)
+      as_bf16 = np.asarray(value.astype(jnp.bfloat16).astype(jnp.float32))
+      if param != "kernel" and layout == "fused":  # stored dense: quantized here (within NVFP4's error)
+        assert np.abs(as_bf16 - expected).max() <= 0.2 * np.abs(expected).max(), (module_path, param)
+        continue
+      np.testing.assert_array_equal(as_bf16, expected, err_msg=f"{module_path} {param}")
+      kept += 1
+  assert kept >= 7 + 6 + 6 + 3  # every linear layer (and, per expert, the experts)
+  ids, canvas, sc = _inputs()
+  ours, theirs = _ours(model, ids, canvas, sc), _ours(dense, ids, canvas, sc)
+  errors = _position_errors(theirs, ours)
+  print(f"NVFP4 kept ({layout}): per-position max |diff| / max |logit| median {np.median(errors):.4f} "
+        f"max {errors.max():.4f}")
+  if layout == "experts":  # every weight the dense load's up to its bf16 rounding (measured: max 0.013)
+    assert errors.max() <= 0.03
+  else:  # the fused experts (stored dense) quantized to NVFP4 here: NVFP4's error (measured: median 0.098, max 0.22)
+    assert np.median(errors) <= 0.2 and errors.max() <= 0.45
+
+
 # ---- export ------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["fp8", "int4"])
+@pytest.fixture(scope="module", params=["fp8", "int4", "nvfp4"])
 def trained(request, hf_factory, tmp_path_factory):
   """(mode, base path, a QLoRA model with random adapters on everything, its PEFT export directory)."""
   mode = request.param
@@ -188,20 +240,22 @@ def test_merged_export_is_the_merge_of_the_dequantized_base(trained, tmp_path):
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------------
-def test_sft_trainer_trains_and_resumes_a_quantized_base(tmp_path):
-  """`hd.SFTConfig(lora=hd.LoraConfig(base_quantization='int4'))`: the trainer builds the quantized base, trains the
-  adapters, checkpoints the int4 base (a fresh init's frozen weights are saved) and restores it bit for bit."""
+@pytest.mark.parametrize("mode", ["int4", "nvfp4"])
+def test_sft_trainer_trains_and_resumes_a_quantized_base(tmp_path, mode):
+  """`hd.SFTConfig(lora=hd.LoraConfig(base_quantization=mode))`: the trainer builds the quantized base, trains the
+  adapters, checkpoints the 4-bit base (a fresh init's frozen weights are saved; NVFP4's scale tables too) and
+  restores it bit for bit."""
   records = [{"prompt": s, "completion": "".join(sorted(s))} for s in ("3141", "2718", "1618", "5772") * 4]
   config = hd.get_preset("tiny", canvas_length=6, vocab_size=16, pad_token_id=0, eos_token_id=1, bos_token_id=2)
   args = hd.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, batch_size=4, eval_at_end=False,
                       max_prompt_length=6, learning_rate=1e-2,
-                      lora=hd.LoraConfig(rank=2, target_modules="all-linear", base_quantization="int4",
+                      lora=hd.LoraConfig(rank=2, target_modules="all-linear", base_quantization=mode,
                                          base_block_size=BLOCK))
   with hd.SFTTrainer(model=config, train_dataset=records, args=args, progress=False) as trainer:
     metrics = trainer.train()
     assert np.isfinite(metrics["loss"])
     model = trainer.model
-    assert qlora.base_quantization(model) == "int4"
+    assert qlora.base_quantization(model) == mode
     assert isinstance(model.layers[0].self_attn.q_proj, lora.QLoRALinear)
     before = _quantized_state(model)
   restored = run_lib.load_run(str(tmp_path / "run")).model

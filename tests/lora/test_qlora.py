@@ -1,4 +1,4 @@
-"""QLoRA: a quantized base (FP8 / int4, `lora.qlora`) under LoRA adapters (JAX only; the checkpoint and PEFT side is
+"""QLoRA: a quantized base (FP8 / int4 / NVFP4, `lora.qlora`) under LoRA adapters (JAX only; the checkpoint and PEFT side is
 in tests/interop/test_qlora_interop.py).
 
 The references are independent of the code under test: the dense value of every quantized weight recomputed in
@@ -30,7 +30,8 @@ from hackable_diffusion.training.step import abstract_train_state, init_train_st
 CFG = get_preset("tiny")
 ALL = lora.DEFAULT_TARGETS + ("experts", "self_conditioning")
 BLOCK = 16  # divides every input width of the tiny config (16, 32, 64)
-MODES = ("fp8", "int4")
+MODES = ("fp8", "int4", "nvfp4")
+QTYPES = {"fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "nvfp4": jnp.float4_e2m1fn}
 
 
 def _config(mode: str, **kw) -> lora.LoraConfig:
@@ -51,10 +52,20 @@ def _randomize(model, seed: int, std: float = 0.3) -> None:
     v.value = jnp.asarray(std * rng.standard_normal(v.shape), v.dtype)
 
 
-def _numpy_dequantized(values, scale) -> np.ndarray:
-  """values * scale in float32, the scale repeated over its block (numpy only)."""
+def _numpy_dequantized(values, scale, table=None, out_axis: int = -1) -> np.ndarray:
+  """values * scale in float32, the scale repeated over its block (numpy only). NVFP4: the scale bytes looked up
+  in the table `[(E,) G, 256]` of their output-axis group."""
   v = np.asarray(jnp.asarray(values).astype(jnp.float32))  # typed values (qlora.typed)
-  s = np.asarray(jnp.asarray(scale).astype(jnp.float32))
+  s = np.asarray(scale)
+  if table is not None:
+    t = np.asarray(table)
+    out, groups = s.shape[out_axis], t.shape[-2]
+    shape = [1] * s.ndim
+    shape[out_axis] = out
+    index = (np.arange(out) // (out // groups)).reshape(shape) * 256 + s.astype(np.int64)
+    flat = t.reshape(*t.shape[:-2], -1)
+    s = flat[index] if flat.ndim == 1 else np.stack([flat[e][index[e]] for e in range(flat.shape[0])])
+  s = s.astype(np.float32)
   for axis, (n, m) in enumerate(zip(v.shape, s.shape)):
     if m not in (1, n):
       s = np.repeat(s, n // m, axis=axis)
@@ -66,12 +77,18 @@ def _dense_weights(model) -> dict[tuple, np.ndarray]:
   out = {}
   for path, m in qlora.quantization_targets(model):
     if isinstance(m, qlora.QuantizedLinear):
-      out[(*path, "kernel")] = _numpy_dequantized(qlora.typed(m.kernel[...], m.qtype), m.kernel_scale[...])
+      out[(*path, "kernel")] = _numpy_dequantized(qlora.typed(m.kernel[...], m.qtype), m.kernel_scale[...],
+                                                  _table(m, "kernel"))
     elif isinstance(m, qlora.QuantizedExperts):
       for name in qlora.EXPERT_PARAMS:
         out[(*path, name)] = _numpy_dequantized(qlora.typed(getattr(m, name)[...], m.qtype),
-                                                getattr(m, f"{name}_scale")[...])
+                                                getattr(m, f"{name}_scale")[...], _table(m, name), out_axis=-2)
   return out
+
+
+def _table(module, name: str):
+  var = getattr(module, f"{name}_table")
+  return None if var is None else var[...]
 
 
 def _with_weights(dense_model, weights: dict[tuple, np.ndarray]):
@@ -127,8 +144,8 @@ def test_other_mode_on_a_quantized_base_is_refused(base):
 # ---- the stored format ---------------------------------------------------------------------------------------------
 def test_base_is_quantized_everywhere_but_the_router(quantized):
   mode, model = quantized
-  qtype = jnp.dtype(jnp.float8_e4m3fn if mode == "fp8" else jnp.int4)
-  pack = 1 if mode == "fp8" else 2  # stored as raw bytes: float8 one value per byte, int4 two along the last axis
+  qtype = jnp.dtype(QTYPES[mode])
+  pack = 1 if mode == "fp8" else 2  # stored as raw bytes: float8 one value per byte, 4-bit two along the last axis
   layer = model.layers[0]
   for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj, model.self_conditioning.mlp.gate_proj):
     assert isinstance(m, lora.QLoRALinear) and m.kernel[...].dtype == jnp.uint8
@@ -143,10 +160,20 @@ def test_base_is_quantized_everywhere_but_the_router(quantized):
   assert model.embed_tokens[...].dtype == jnp.float32
   # not a Param: no optimizer filter can select the base; the adapters are the only LoRAParams
   assert not any(isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(model, qlora.QuantizedBase)))
-  # the scales: per output channel (fp8), per block of BLOCK inputs and output channel (int4)
+  # the scales: per output channel (fp8), per block of BLOCK (int4) / 16 (nvfp4) inputs and output channel
   q = layer.self_attn.q_proj  # kernel [32, 32]
   assert q.kernel_scale.shape == ((1, 32) if mode == "fp8" else (32 // BLOCK, 32))
   assert layer.experts.gate_up_proj_scale.shape == ((4, 32, 1) if mode == "fp8" else (4, 32, 32 // BLOCK))
+  if mode == "nvfp4":  # float8 block scales (as bytes) and a table of their quotients by the global scale
+    assert q.kernel_scale[...].dtype == jnp.uint8 and q.kernel_table[...].dtype == jnp.float32
+    assert q.kernel_table.shape == (1, 256) and layer.experts.gate_up_proj_table.shape == (4, 1, 256)
+    codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      ratio = np.asarray(q.kernel_table[...])[0] / codes  # one global scale per tensor: a constant 1 / global
+    finite = np.isfinite(ratio) & (codes != 0)
+    np.testing.assert_allclose(ratio[finite], ratio[finite][0], rtol=2**-23)
+  else:
+    assert q.kernel_table is None and layer.experts.down_proj_table is None
 
 
 def test_dequantized_weights_are_within_half_a_step_of_the_dense_ones(base, quantized):
@@ -161,11 +188,14 @@ def test_dequantized_weights_are_within_half_a_step_of_the_dense_ones(base, quan
     ours = module.dequantized_kernel(jnp.float32) if path[-1] == "kernel" else module.dequantized(path[-1],
                                                                                                   jnp.float32)
     np.testing.assert_array_equal(np.asarray(ours), deq)
-    scale_name = "kernel_scale" if path[-1] == "kernel" else f"{path[-1]}_scale"
-    step = _numpy_dequantized(np.ones(dense.shape, np.float32), getattr(module, scale_name)[...])
+    name = path[-1]
+    step = _numpy_dequantized(np.ones(dense.shape, np.float32), getattr(module, f"{name}_scale")[...],
+                              _table(module, name), -1 if name == "kernel" else -2)
     err = np.abs(deq - dense)
     if mode == "int4":  # round to the nearest of 16 levels of `scale` (bf16 scale: 2^-9 relative on top)
       assert np.all(err <= 0.5 * step + 8 * step * 2.0**-8), path
+    elif mode == "nvfp4":  # E2M1 levels 0 .. 6 in steps of 0.5 / 1 / 2 of `step` (the block scale rounded to e4m3)
+      assert np.all(err <= step + np.abs(dense) * 2.0**-3), path
     else:  # e4m3: 3 mantissa bits, relative error 2^-4; below the normal range an absolute 2^-10 * scale
       assert np.all(err <= np.maximum(np.abs(dense) * 2.0**-4, step * 2.0**-9) * 1.0001), path
     assert np.max(err) > 0  # really quantized
@@ -203,7 +233,7 @@ def test_logits_equal_the_dense_model_on_dequantized_weights(base, quantized):
   dense = np.asarray(forward(base, ids, canvas, self_conditioning_logits=sc))
   err = float(np.max(np.abs(ours - dense)))
   scale = float(np.max(np.abs(dense)))
-  bound = {"fp8": 0.25, "int4": 0.75}[mode]  # relative to the largest logit
+  bound = {"fp8": 0.25, "int4": 0.75, "nvfp4": 0.75}[mode]  # relative to the largest logit
   print(f"QLoRA {mode}: max |logits - dense| = {err:.4f} (max |logit| {scale:.3f}, "
         f"rel {err / scale:.3f}; mean {float(np.mean(np.abs(ours - dense))):.4f})")
   assert 0 < err <= bound * scale
