@@ -19,6 +19,8 @@ Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusio
      channel), batch 8 as 4 micro-batches of 2 (target: a 48 GB card, <= 44 GiB); q8p: the same in one pass
   q4 QLoRA: case a with the base in int4 (blocks of 64 inputs, one bf16 scale each), batch 4 as 2 micro-batches of
      2 (target: a 24 GB card, <= 22 GiB); q4p: the same in one pass
+  qn QLoRA: case q4 with the base in NVFP4 (FP4 values, one float8 scale per 16 inputs, a 1 KiB scale table per
+     tensor: what an NVFP4 checkpoint keeps with `lora.base_quantization='nvfp4'`)
 
 How the CPU's bf16 converts are kept out (see --validate): XLA:CPU computes every bf16 dot in f32 and keeps f32
 copies of bf16 weights as temporaries (a bf16 [4096, 4096] weight in `x @ w` compiles to a 64 MiB temporary; a GPU
@@ -69,7 +71,7 @@ UNIT = (GIB, "GiB")  # (bytes, name) of the printed numbers; --smoke prints MiB
 PRESET = "diffusion_gemma_26b_a4b"
 PROMPT, CANVAS = 256, 256
 SMOKE = False  # --smoke: the same cases on a 30-layer model of hidden 32 (tests/test_benchmark_scripts.py)
-CASES = ("a", "b", "b2", "c", "d", "q8", "q4", "q8p", "q4p")
+CASES = ("a", "b", "b2", "c", "d", "q8", "q4", "q8p", "q4p", "qn")
 LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
@@ -186,7 +188,8 @@ def case_q(mode: str, batch: int, accum: int) -> list[dict]:
   # arguments: the dense frozen part (embedding, norms, router) at bf16, the quantized base and adapters as compiled
   args = a["arguments"] - sizes["frozen"] // 2
   how = "one pass" if accum == 1 else f"{accum} micro-batches of {batch // accum} (train.grad_accum_steps={accum})"
-  return [row(f"{'q8' if mode == 'fp8' else 'q4'}: QLoRA r8, {mode} base, 1 device, batch {batch}, {how}", args,
+  name = {"fp8": "q8", "int4": "q4", "nvfp4": "qn"}[mode]
+  return [row(f"{name}: QLoRA r8, {mode} base, 1 device, batch {batch}, {how}", args,
               a["temporaries"], note=f"quantized base {sizes['quantized'] / UNIT[0]:.1f} {UNIT[1]} of the "
               f"{LAYERS or 'all'}-layer compile's arguments; compiled in {time.time() - t:.0f} s")]
 
@@ -300,7 +303,7 @@ def main(argv: list[str]) -> None:
   print(f"\n| case | arguments {u} | temporaries {u} | added {u} | total {u} | note |\n|---|---|---|---|---|---|")
   runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))), ("c", case_c, (8,)), ("c", case_c, (64,)),
           ("d", case_d, ()), ("q8", case_q, ("fp8", 8, 4)), ("q4", case_q, ("int4", 4, 2)),
-          ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1))]
+          ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1)), ("qn", case_q, ("nvfp4", 4, 2))]
   for name, case, case_args in runs:
     if name in cases:
       for r in measure(case, *case_args, full=args.full):
