@@ -8,8 +8,8 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 - `allowed_token_ids(tokenizer)` -> ids the sampler may produce (None: all), e.g. digits + EOS for Sudoku;
 - `seed_canvas(records, tokenizer, num_tokens)` -> `(seed_ids [B, num_tokens], pinned [B, num_tokens])` or
   None: canvases that start from known tokens, pinned positions never change (e.g. Sudoku givens);
-- `make_data(out_dir)` -> `{'train': path, 'validation': path, ...}` for tasks that generate their own JSONL
-  (`data.generator` in a config);
+- `make_data(out_dir[, progress])` -> `{'train': path, 'validation': path, ...}` for tasks that generate their own
+  JSONL (`data.generator` in a config; `progress`, if the task takes it: show a progress bar);
 - `plot_trajectory(trajectory, path)`: a picture of one example's canvas after every denoising step;
 - `attention_structure()` -> the task's own canvas attention structure as a 'package.module:function' spec for
   `ModelConfig.attention_structure` (None: plain attention), e.g. Sudoku's row/column/box peers.

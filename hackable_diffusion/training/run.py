@@ -14,6 +14,7 @@ here, not through the trainer. A run's workdir holds:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,12 +59,15 @@ def is_run_workdir(path: str) -> bool:
       os.path.join(path, config_lib.CONFIG_FILENAME)) and not os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
-def data_paths(cfg: ExperimentConfig, workdir: str) -> dict[str, str]:
+def data_paths(cfg: ExperimentConfig, workdir: str, *, progress: bool | None = None) -> dict[str, str]:
   """`{'train': path, 'validation': path or '', ...}`; a built-in generator writes its files (every split it
-  makes, e.g. also 'test') into workdir/data."""
+  makes, e.g. also 'test') into workdir/data, with its progress bar when `progress` (None: on process 0) and its
+  `make_data` takes a `progress` argument (a task written without one is called as before)."""
   if cfg.data.generator:
     task = get_task(cfg.data.generator, cfg.data.generator_args)
-    paths = dict(task.make_data(os.path.join(workdir, DATA_DIR)))
+    progress = is_main_process() if progress is None else progress
+    kwargs = {"progress": progress} if "progress" in inspect.signature(task.make_data).parameters else {}
+    paths = dict(task.make_data(os.path.join(workdir, DATA_DIR), **kwargs))
     paths.setdefault("validation", "")
     return paths
   return {"train": cfg.data.train_path, "validation": cfg.data.validation_path}

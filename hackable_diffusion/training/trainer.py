@@ -123,7 +123,7 @@ class SFTTrainer:
 
   def _setup(self, cfg: ExperimentConfig, workdir: str, shard_index: int, shard_count: int, host_batch: int) -> None:
     """The rest of `__init__` (run with the workdir locked): tokenizer, data, model, optimizer, train state."""
-    self.paths = run_lib.data_paths(cfg, workdir)
+    self.paths = run_lib.data_paths(cfg, workdir, progress=self._progress_enabled)
     self.tokenizer = run_lib.build_tokenizer(cfg, workdir, self.paths["train"])
     self.model_config = run_lib.build_model_config(cfg, self.tokenizer)
     data_cfg = run_lib.sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=host_batch,

@@ -1,4 +1,5 @@
-"""training/run.py: building a run's model config from a Hugging Face checkpoint keeps the checkpoint's dtype."""
+"""training/run.py: building a run's model config from a Hugging Face checkpoint keeps the checkpoint's dtype; the
+data generator follows the progress flag."""
 
 from __future__ import annotations
 
@@ -50,3 +51,32 @@ def test_checkpoint_dtype_is_the_default(bf16_checkpoint):
 def test_bad_model_dtype_is_one_line():
   with pytest.raises(ConfigError, match=r"model.dtype='int8'; expected 'auto', 'float32'"):
     _config("/some/checkpoint", **{"model.dtype": "int8"})
+
+
+def _sudoku_data_config(**generator_args):
+  args = {"num_train": 6, "num_validation": 2, "num_test": 2, "workers": 1, **generator_args}
+  overrides = {"data.generator": "sudoku"} | {f"data.generator_args.{k}": v for k, v in args.items()}
+  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("sudoku.py", overrides))
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_generator_progress_bar_follows_the_flag(tmp_path, capfd, progress):
+  """`--no_progress` reaches the data generator: no Sudoku bar on stderr when off, one when on; a task whose
+  `make_data` takes no `progress` argument is still called."""
+  paths = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=progress)
+  assert set(paths) >= {"train", "validation", "test"}
+  err = capfd.readouterr().err
+  assert ("puzzle" in err) == progress, err
+
+
+def test_a_task_without_a_progress_argument_still_makes_data(tmp_path, monkeypatch):
+  calls = []
+
+  class OldTask:  # the protocol before `progress`: make_data(out_dir)
+    def make_data(self, out_dir):
+      calls.append(out_dir)
+      return {"train": "t.jsonl"}
+
+  monkeypatch.setattr(run_lib, "get_task", lambda name, args: OldTask())
+  paths = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
+  assert paths == {"train": "t.jsonl", "validation": ""} and len(calls) == 1

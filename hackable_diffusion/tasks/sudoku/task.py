@@ -59,8 +59,9 @@ class SudokuTask(BaseTask):
             "num_test": self.num_test, "seed": self.seed, "easy": self.easy, "medium": self.medium,
             "hard": self.hard}
 
-  def make_data(self, out_dir: str) -> dict[str, str]:
-    """Writes train/validation/test JSONL into `out_dir` (once; regenerated if the generation arguments change)."""
+  def make_data(self, out_dir: str, progress: bool = True) -> dict[str, str]:
+    """Writes train/validation/test JSONL into `out_dir` (once; regenerated if the generation arguments change),
+    with a progress bar unless `progress` is False."""
     paths = dataset.dataset_paths(out_dir)
     if not (data_spec_matches(out_dir, self._spec()) and all(p.exists() for p in paths.values())):
       if os.path.isdir(out_dir):
@@ -69,7 +70,8 @@ class SudokuTask(BaseTask):
             os.remove(p)
       weights = {"easy": self.easy, "medium": self.medium, "hard": self.hard}
       dataset.write_dataset(out_dir, num_train=self.num_train, num_validation=self.num_validation,
-                            num_test=self.num_test, seed=self.seed, bucket_weights=weights, workers=self.workers)
+                            num_test=self.num_test, seed=self.seed, bucket_weights=weights, workers=self.workers,
+                            show_progress=progress)
       write_data_spec(out_dir, self._spec())
     return {split: str(p) for split, p in paths.items()}
 
