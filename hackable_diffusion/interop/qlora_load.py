@@ -86,7 +86,7 @@ def _as_qarray(raw: tuple[np.ndarray, ...], kind: str, kernel: bool,
 
 
 def _stored(key: str, grouped: load_plan.Grouped, where: Any, var: nnx.Variable, param: str | None,
-            mode: str) -> tuple[qwix.QArray, np.ndarray | None] | None:
+            mode: str) -> tuple[qwix.QArray, jax.Array | None] | None:
   """The checkpoint's own quantized values and scales of one weight in our layout (FP8 in 'fp8' mode, NVFP4 in
   'nvfp4' mode), or None when it is stored otherwise."""
   kind = _KINDS.get(mode)

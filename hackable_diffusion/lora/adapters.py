@@ -23,9 +23,8 @@ Each adapter folds its own index into the key. Expert adapters have no dropout (
 
 QLoRA (`LoraConfig.base_quantization='fp8' | 'int4' | 'nvfp4'`): `apply_lora` first quantizes the base
 (`lora.qlora`: every linear layer but the router, and the experts; a base already quantized, e.g. by
-`interop.qlora_load`, is kept) and
-wraps the quantized modules with `QLoRALinear` / `QLoRAExperts`: the same adapters on a base dequantized inside the
-layer's forward.
+`interop.qlora_load`, is kept) and wraps the quantized modules with `QLoRALinear` / `QLoRAExperts`: the same
+adapters on a base dequantized inside the layer's forward.
 """
 
 from __future__ import annotations
