@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging as py_logging
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -41,9 +42,31 @@ CHECKPOINT_DIR = "checkpoints"
 _ITEMS = ("params", "rest", "opt", "meta")
 
 
-def _one_line(e: BaseException) -> str:
+def _os_cause(e: BaseException) -> OSError | None:
+  """The first `OSError` with an errno in `e`'s chain (`__cause__` / `__context__`), `e` included."""
+  seen: set[int] = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def one_line_error(e: BaseException) -> str:
+  """`Type: message` on one line, at most ~300 characters of the message; the OS error that caused it (e.g.
+  `[Errno 28] No space left on device`) is always named, even when a long message (paths) would cut it off."""
   text = " ".join(str(e).split())
-  text = text if len(text) <= 300 else text[:300] + "..."
+  cause = _os_cause(e)
+  if cause is not None:
+    reason = f"[Errno {cause.errno}] {cause.strerror or os.strerror(cause.errno)}"
+  else:  # an OS error quoted inside the message of a wrapper exception
+    found = re.search(r"\[Errno \d+\] [^:'\"\]\)]+", text)
+    reason = found.group(0).strip() if found else ""
+  if len(text) > 300:
+    text = text[:300] + "..."
+  if reason and reason.split("] ", 1)[-1] not in text:
+    text = f"{text} ({reason})" if text else reason
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -139,7 +162,7 @@ class Checkpointer:
     try:
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
     except Exception as e:  # noqa: BLE001 - orbax raises many types; the user needs one line
-      raise CheckpointError(f"{self.directory}: cannot open checkpoints ({_one_line(e)})") from None
+      raise CheckpointError(f"{self.directory}: cannot open checkpoints ({one_line_error(e)})") from None
     self._purge_trash()
 
   def _purge_trash(self) -> None:
@@ -221,7 +244,7 @@ class Checkpointer:
     done = [s for s in self.complete_steps() if s != step]
     kept = f"the last complete checkpoint {self.directory}/{done[-1]} is kept" if done else "no checkpoint was kept"
     where = self.directory if step is None else f"{self.directory}/{step}"
-    self._failed = (f"{where}: cannot write this checkpoint ({_one_line(e)}); {kept} - free disk space (or fix "
+    self._failed = (f"{where}: cannot write this checkpoint ({one_line_error(e)}); {kept} - free disk space (or fix "
                     f"the error) and rerun the same command to resume")
     self._set_pending(None)
     return CheckpointError(self._failed)
@@ -283,7 +306,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - a damaged or mismatched checkpoint; report one line
       self._restore_failed = True
       raise CheckpointError(
-          f"{self.directory}/{step}: cannot restore this checkpoint ({_one_line(e)}); it is damaged or was "
+          f"{self.directory}/{step}: cannot restore this checkpoint ({one_line_error(e)}); it is damaged or was "
           f"written by a different model/config - delete it to fall back to an earlier step") from None
     finally:
       self._restoring = False
@@ -326,7 +349,7 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001
         error = error or e
     if self._failed is None:
-      raise CheckpointError(f"{self.directory}: cannot close the checkpoint manager ({_one_line(error)})")
+      raise CheckpointError(f"{self.directory}: cannot close the checkpoint manager ({one_line_error(error)})")
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -335,4 +358,4 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like"]
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error"]

@@ -249,6 +249,25 @@ def test_failed_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch, s
   assert meta["seed"] == 0
 
 
+def test_a_long_error_message_still_names_the_os_error():
+  """A failure whose message is long (orbax's wrappers around deep temporary paths) is cut at ~300 characters but
+  still names the OS error that caused it: on CI's longer paths 'No space left on device' was cut off."""
+  try:
+    try:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/" + "x" * 200)
+    except OSError as e:
+      raise RuntimeError("writing /tmp/" + "y" * 400 + " failed") from e
+  except RuntimeError as e:
+    line = checkpointing.one_line_error(e)
+  assert line.startswith("RuntimeError: writing /tmp/yyy") and "\n" not in line and len(line) < 400, line
+  assert "[Errno 28] No space left on device" in line
+  short = checkpointing.one_line_error(OSError(errno.EIO, os.strerror(errno.EIO)))
+  assert short == "OSError: [Errno 5] Input/output error"  # already named: not repeated
+  assert checkpointing.one_line_error(ValueError("bad\nvalue")) == "ValueError: bad value"
+  quoted = checkpointing.one_line_error(ValueError("z" * 400 + " [Errno 28] No space left on device: '/tmp/a'"))
+  assert quoted.endswith("... ([Errno 28] No space left on device)"), quoted  # quoted by a wrapper, cut off
+
+
 def test_first_save_failing_says_no_checkpoint_was_kept(tmp_path, monkeypatch, state):
   directory = str(tmp_path / "ckpt")
   disk = DiskFull(monkeypatch, directory, errno.EIO)
