@@ -93,9 +93,9 @@ def quantize_weight(w: Array, spec: QuantizationSpec, *, in_axis: int, out_axes:
   if spec.block is not None:
     width = w.shape[in_axis]
     if width % spec.block:
-      what = f"base_block_size={spec.block}" if spec.mode == INT4 else f"the NVFP4 block of {spec.block}"
-      raise ConfigError(f"base_quantization={spec.mode!r}: {name} has input width {width}, not a multiple of "
-                        f"{what}; pick a block size that divides every input width")
+      what = (f"base_block_size={spec.block}; pick a block size that divides every input width" if spec.mode == INT4
+              else f"{spec.block} (NVFP4's block); use 'int4' or 'fp8' for this model")
+      raise ConfigError(f"base_quantization={spec.mode!r}: {name} has input width {width}, not a multiple of {what}")
     tiled = {in_axis: spec.block}
   if spec.mode != NVFP4:
     return qwix.quantize(w, spec.qtype, channelwise_axes=out_axes, tiled_axes=tiled,

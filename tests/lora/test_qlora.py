@@ -1,5 +1,5 @@
-"""QLoRA: a quantized base (FP8 / int4 / NVFP4, `lora.qlora`) under LoRA adapters (JAX only; the checkpoint and PEFT side is
-in tests/interop/test_qlora_interop.py).
+"""QLoRA: a quantized base (FP8 / int4 / NVFP4, `lora.qlora`) under LoRA adapters (JAX only; the checkpoint and PEFT
+side is in tests/interop/test_qlora_interop.py).
 
 The references are independent of the code under test: the dense value of every quantized weight recomputed in
 numpy from the stored values and scales (the scale broadcast over its own axis and block), compressed-tensors-
@@ -124,6 +124,14 @@ def test_config_validation_one_line(kwargs, needle):
   with pytest.raises(ConfigError) as e:
     lora.LoraConfig(**kwargs)
   assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_nvfp4_on_a_width_not_divisible_by_16_is_one_line():
+  narrow = init_model(get_preset("tiny", hidden_size=24, intermediate_size=48, moe_intermediate_size=24), 0)
+  with pytest.raises(ConfigError) as e:
+    lora.apply_lora(narrow, lora.LoraConfig(base_quantization="nvfp4"), rngs=nnx.Rngs(0))
+  msg = str(e.value)
+  assert "\n" not in msg and "input width 24" in msg and "NVFP4's block" in msg and "layers.0." in msg
 
 
 def test_block_size_that_does_not_divide_names_the_layer(base):
