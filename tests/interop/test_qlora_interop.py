@@ -24,6 +24,7 @@ from hackable_diffusion.errors import CheckpointError
 from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
 from hackable_diffusion.lora import qlora
+from hackable_diffusion.model import moe
 from hackable_diffusion.model.transformer import forward
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import run as run_lib
@@ -171,6 +172,18 @@ def test_nvfp4_checkpoint_is_kept_as_stored(checkpoints, layout):  # noqa: F811
       np.testing.assert_array_equal(as_bf16, expected, err_msg=f"{module_path} {param}")
       kept += 1
   assert kept >= 7 + 6 + 6 + 3  # every linear layer (and, per expert, the experts)
+  if layout == "experts":  # the tiled kernel decodes one expert at a time: gate and up rows use their own table
+    experts = model.layers[0].experts
+    table = np.asarray(experts.gate_up_proj_table[...])  # [E, 2, 256]: gate's and up's global scales differ
+    assert table.shape[1] == 2 and not np.array_equal(table[:, 0], table[:, 1])
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((16, experts.down_proj.shape[1])), jnp.float32)
+    weights = jnp.asarray(rng.random((16, 2)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, experts.gate_up_proj.shape[0], (16, 2)), jnp.int32)
+    tiled = experts(x, weights, idx)  # QuantizedExperts' tiled path (the CPU default)
+    on_dequantized = moe.experts_forward("dense", x, weights, idx, experts.dequantized("gate_up_proj", jnp.float32),
+                                         experts.dequantized("down_proj", jnp.float32))
+    np.testing.assert_allclose(np.asarray(tiled), np.asarray(on_dequantized), rtol=1e-5, atol=1e-6)
   ids, canvas, sc = _inputs()
   ours, theirs = _ours(model, ids, canvas, sc), _ours(dense, ids, canvas, sc)
   errors = _position_errors(theirs, ours)
