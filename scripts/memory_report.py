@@ -58,6 +58,7 @@ from hackable_diffusion.data.sft import SFTBatch  # noqa: E402
 from hackable_diffusion.diffusion.loss import LossConfig  # noqa: E402
 from hackable_diffusion.lora.adapters import ALL_LINEAR, LoraConfig, apply_lora  # noqa: E402
 from hackable_diffusion.lora.qlora import QuantizedBase  # noqa: E402
+from hackable_diffusion.model import scan  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: E402
 from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
@@ -76,6 +77,7 @@ LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
 
+SCAN = False  # --scan: the layers stacked and run under one scan (ModelConfig.scan_layers)
 LAYERS: int | None = None  # compile this many layers (whole 5 sliding : 1 full groups) instead of all 30
 
 
@@ -86,7 +88,7 @@ def model_config(remat: str = "nothing_saveable", dtype: str = "float32"):
                      num_hidden_layers=30, layer_types=None, canvas_length=CANVAS)
   if LAYERS is not None:
     cfg = cfg.replace(num_hidden_layers=LAYERS, layer_types=cfg.layer_types[:LAYERS])
-  return cfg
+  return cfg.replace(scan_layers=SCAN)
 
 
 def abstract_model(cfg, lora: bool, quantization: str = "none"):
@@ -94,7 +96,8 @@ def abstract_model(cfg, lora: bool, quantization: str = "none"):
 
   def build():
     model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
-    return apply_lora(model, config, rngs=nnx.Rngs(1)) if lora else model
+    model = apply_lora(model, config, rngs=nnx.Rngs(1)) if lora else model
+    return scan.stack_layers(model) if cfg.scan_layers else model  # what a run does (training/run.py)
   return nnx.eval_shape(build)
 
 
@@ -287,7 +290,11 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",
                       help="compile all 30 layers (slow: ~25 min for case a) instead of 6 + 12 extrapolated")
+  parser.add_argument("--scan", action="store_true",
+                      help="the layers stacked and scanned (ModelConfig.scan_layers), as the 26B recipe runs them")
   args = parser.parse_args(argv)
+  global SCAN
+  SCAN = args.scan
   cases = set(args.cases.split(","))
   if cases - set(CASES):
     parser.error(f"--cases: unknown case(s) {sorted(cases - set(CASES))}; expected a subset of {','.join(CASES)}")

@@ -26,6 +26,7 @@ from hackable_diffusion.interop.names import hf_name, is_vision, iter_variables
 from hackable_diffusion.interop.safetensors_io import INDEX_NAME, WEIGHTS_NAME, iter_tensors
 from hackable_diffusion.lora.adapters import has_lora
 from hackable_diffusion.lora.qlora import base_quantization
+from hackable_diffusion.model import scan
 from hackable_diffusion.model.config import TINY_VISION_CONFIG
 from hackable_diffusion.model.transformer import DiffusionGemma
 
@@ -78,6 +79,7 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   since transformers always builds a vision tower). Refuses a model whose attention structure the reference
   cannot run.
   """
+  model = scan.unstack_layers(model)  # a scanned model is written layer by layer, as the reference names it
   config = model.config
   if has_lora(model):
     raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "

@@ -35,6 +35,7 @@ from hackable_diffusion.files import read_json, write_json
 from hackable_diffusion.interop.names import DECODER, DECODER_LAYERS, ENCODER_LAYERS, hf_name
 from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, apply_lora,
                                               has_lora, lora_modules, targetable)
+from hackable_diffusion.model import scan
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -105,7 +106,7 @@ def _expert_module_name(module: str, targets: tuple[str, ...], name: str) -> str
 
 def adapter_state(model: nnx.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   """(PEFT tensors by name, the fields of adapter_config.json that depend on the model)."""
-  mods = list(lora_modules(model))
+  mods = list(lora_modules(scan.unstack_layers(model)))  # a scanned model's adapters, layer by layer
   if not mods:
     raise AdapterError("the model has no LoRA adapters (apply_lora it, or export the merged model instead)")
   tensors: dict[str, np.ndarray] = {}
@@ -265,6 +266,8 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
   """
   if has_lora(model):
     raise AdapterError("the model already has LoRA adapters; merge() it first to stack another adapter")
+  if scan.is_scanned(model):  # read into the layer-by-layer form, then stacked again
+    return scan.stack_layers(load_adapter(scan.unstack_layers(model), path))
   config = read_adapter_config(path)
   tensors = _read_tensors(path)
   file = os.path.join(path, ADAPTER_WEIGHTS_NAME)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRAExperts, LoRALinear, _set, lora_modules
-from hackable_diffusion.model import moe
+from hackable_diffusion.model import moe, scan
 
 
 def _plain_linear(src: LoRALinear) -> nnx.Linear:
@@ -55,9 +55,9 @@ def merge(model: nnx.Module) -> nnx.Module:
   """A copy of `model` with every adapter folded into its base weights and the adapter modules removed.
 
   The result has exactly the variables (paths, dtypes, shapes) of the un-adapted dense model (a quantized base is
-  dequantized: `lora.qlora.dequantize_base`).
+  dequantized: `lora.qlora.dequantize_base`). A scanned model (`model.scan`) comes back with its layers unstacked.
   """
-  model = nnx.clone(model)
+  model = nnx.clone(scan.unstack_layers(model))
   for path, module in list(lora_modules(model)):
     _set(model, path, _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module))
   return qlora.dequantize_base(model)

@@ -112,6 +112,9 @@ class ModelConfig:
   # the `expert` mesh axis; "auto": tiled on CPU, else ragged, or expert_parallel under a mesh with expert > 1.
   moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
+  # Run the layers as one scan over their attention pattern (model/scan.py): a run stacks its model after loading
+  # and adding adapters; compiles one period of layers instead of all of them.
+  scan_layers: bool = False
   # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
   # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.
   attention_structure: str | None = None
@@ -164,6 +167,8 @@ class ModelConfig:
       raise ConfigError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+    if not isinstance(self.scan_layers, bool):
+      raise ConfigError(f"ModelConfig.scan_layers={self.scan_layers!r}; expected True or False")
     ids = (self.pad_token_id, self.bos_token_id, *self.eos_token_ids)
     for tid in ids:
       if not 0 <= tid < self.vocab_size:

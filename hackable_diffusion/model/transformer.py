@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import head, layers, moe, remat, structure
+from hackable_diffusion.model import head, layers, moe, remat, scan, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -43,6 +43,22 @@ def _remat(fn: Callable, policy: str) -> Callable:
       return remat.recompute_in_backward(lambda st, *a: fn(nnx.merge(graphdef, st), *a))(state, *args)
     return run
   return nnx.remat(fn, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=True)
+
+
+def _layer_type(layer: DecoderLayer) -> str:
+  return SLIDING if layer.self_attn.is_sliding else FULL
+
+
+def _run_layers(stack: nnx.List | scan.ScannedLayers, fn: Callable, x: Array, per_layer: list) -> tuple[Array, list]:
+  """`x, out_i = fn(layer_i, x, per_layer[i])` over the layers in order: unrolled, or one scan over the layer
+  period when the layers are stacked (`model.scan.stack_layers`). Returns `x` and the outputs in layer order."""
+  if isinstance(stack, scan.ScannedLayers):
+    return stack.run(fn, x, per_layer)
+  outs = []
+  for layer, inputs in zip(stack, per_layer):
+    x, out = fn(layer, x, inputs)
+    outs.append(out)
+  return x, outs
 
 
 def _encode_layer(layer: DecoderLayer, *args):
@@ -190,12 +206,14 @@ class DiffusionGemma(nnx.Module):
                                                                                              start)
     rope = self._rope(positions)
     x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
-    keys, values = list(cache.keys), list(cache.values)
     run = _remat(_encode_layer, self.config.remat)
-    for i, layer in enumerate(self.layers):
-      t = self.config.layer_types[i]
-      x, keys[i], values[i] = run(layer, x, *rope[t], keys[i], values[i], start, valid)
-      x = sharding.constrain(x, _RESIDUAL)
+
+    def one(layer, x, kv):
+      x, k, v = run(layer, x, *rope[_layer_type(layer)], *kv, start, valid)
+      return sharding.constrain(x, _RESIDUAL), (k, v)
+
+    x, kvs = _run_layers(self.layers, one, x, list(zip(cache.keys, cache.values)))
+    keys, values = zip(*kvs)
     new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
     return self.norm(x), new_cache
 
@@ -235,10 +253,12 @@ class DiffusionGemma(nnx.Module):
         FULL: decoder_prefix_mask(cache.valid, cache.length, None),
     }
     run = _remat(_decode_layer, self.config.remat)
-    for i, layer in enumerate(self.layers):
-      t = self.config.layer_types[i]
-      x = run(layer, x, *rope[t], cache.keys[i], cache.values[i], prefix[t], canvas_attention_mask)
-      x = sharding.constrain(x, _RESIDUAL)
+
+    def one(layer, x, kv):
+      t = _layer_type(layer)
+      return sharding.constrain(run(layer, x, *rope[t], *kv, prefix[t], canvas_attention_mask), _RESIDUAL), None
+
+    x, _ = _run_layers(self.layers, one, x, list(zip(cache.keys, cache.values)))
     return self.norm(x)
 
   def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,

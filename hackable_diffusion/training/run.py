@@ -34,6 +34,7 @@ from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.interop.hf import load_config as load_hf_config
 from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
 from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
+from hackable_diffusion.model import scan
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import Task, get_task
@@ -167,10 +168,19 @@ def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConf
 
 def apply_lora(cfg: ExperimentConfig, model: nnx.Module) -> tuple[nnx.Module, Any]:
   """`(model with adapters, nnx.LoRAParam)` when the run has a `lora` config, else `(model, nnx.Param)`: the
-  trainable filter of the run (training only adapters is an optimizer filter, not special code)."""
+  trainable filter of the run (training only adapters is an optimizer filter, not special code).
+
+  With `ModelConfig.scan_layers` the layers are then stacked (`model.scan.stack_layers`, the per-layer arrays
+  released as they are stacked: `model` is freshly built at every call site) — every run path (fresh, loaded,
+  restored, sharded init) builds its model through here, so they all hold the same stacked structure.
+  """
   if cfg.lora is None:
-    return model, nnx.Param
-  return lora_lib.apply_lora(model, cfg.lora, rngs=nnx.Rngs(cfg.lora_seed)), nnx.LoRAParam
+    out, trainable = model, nnx.Param
+  else:
+    out, trainable = lora_lib.apply_lora(model, cfg.lora, rngs=nnx.Rngs(cfg.lora_seed)), nnx.LoRAParam
+  if out.config.scan_layers:
+    out = scan.stack_layers(out, donate=True)
+  return out, trainable
 
 
 def build_abstract_model(cfg: ExperimentConfig, model_config: ModelConfig) -> tuple[nnx.Module, Any]:
@@ -189,7 +199,7 @@ def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, mesh: Mesh 
   """The network's base weights (no adapters): a fresh init, a Hugging Face checkpoint (read straight into its
   shards with `mesh`), or a previous run's latest checkpoint (its adapters merged)."""
   if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
-    model = load_run(cfg.model.checkpoint).model  # a previous run's latest checkpoint as the base
+    model = scan.unstack_layers(load_run(cfg.model.checkpoint).model)  # a previous run's latest checkpoint
     return lora_lib.merge(model) if lora_lib.has_lora(model) else model
   if cfg.model.checkpoint:
     overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}

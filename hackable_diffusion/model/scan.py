@@ -1,0 +1,180 @@
+"""Scanned layers: the decoder layers run under one `jax.lax.scan` over their repeating attention pattern.
+
+Gemma-4 repeats a period of layer types (5 sliding : 1 full). Layer `j` of every period has the same structure, so
+`stack_layers(model)` stores layers `j, j + p, j + 2p, ...` as one layer whose arrays carry a leading `[groups]` axis
+(`ScannedLayers.blocks[j]`), and the forward runs one period per scan iteration: a 30-layer model compiles one
+period (6 layers) instead of 30, and with rematerialisation the backward pass keeps one period's residuals at a time.
+
+The unrolled form (`model.layers[i]`, Hugging Face names `layers.N.*`) stays the public one: loading, LoRA surgery,
+PEFT and merged export and the name tables all see it. A run stacks its model after loading and adding adapters
+(`ModelConfig.scan_layers`), and `unstack_layers` gives the unrolled model back (exporting a scanned run does it).
+Stacked variables keep their sharding metadata with a leading replicated axis (`None`), so the logical-axis rules
+shard them as before.
+
+The KV cache keeps its per-layer layout (a tuple of `[B, S, ...]` arrays that samplers and row refills treat
+uniformly); the scanned forward stacks the cache slices it reads, which copies the cache once per pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hackable_diffusion.errors import ConfigError
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _with_axes(var: nnx.Variable, change: Callable[[tuple], tuple]) -> nnx.Variable:
+  """`var` with its logical axes (`out_sharding` metadata) changed by `change`; unchanged without them."""
+  axes = var.get_metadata().get("out_sharding")
+  return var.replace(out_sharding=change(tuple(axes))) if axes else var
+
+
+def layer_period(config: Any) -> int:
+  """The shortest period `p` of `config.layer_types` that divides the number of layers (the layer count itself
+  when the pattern does not repeat)."""
+  types, n = tuple(config.layer_types), config.num_hidden_layers
+  return next(p for p in range(1, n + 1) if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
+
+
+class ScannedLayers(nnx.Module):
+  """`blocks[j]` holds layers `j, j + period, ...` stacked (`[groups, ...]` arrays); layer `i` is
+  `blocks[i % period]` at index `i // period`."""
+
+  def __init__(self, blocks: Sequence[nnx.Module], period: int, groups: int,
+               adapter_indices: Sequence[dict[tuple, int]] = ()):
+    self.blocks = nnx.List(list(blocks))
+    self.period = period
+    self.groups = groups
+    # per layer: its LoRA adapters' dropout indices (static; restored by `unstack_layers`)
+    self.adapter_indices = tuple(tuple(sorted(d.items())) for d in adapter_indices) or ((),) * (period * groups)
+
+  def __len__(self) -> int:
+    return self.period * self.groups
+
+  def run(self, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], x: Any, per_layer: Sequence[Any]
+          ) -> tuple[Any, list[Any]]:
+    """Runs `x, out_i = fn(layer_i, x, per_layer[i])` for i = 0..N-1 as a scan over groups of `period` layers.
+
+    per_layer: one pytree per layer (e.g. its KV cache slices), stacked here along the group axis. Returns the final
+    `x` and the per-layer outputs `out_i` (unstacked, in layer order).
+    """
+    p, g = self.period, self.groups
+    if len(per_layer) != p * g:
+      raise ValueError(f"ScannedLayers.run: {len(per_layer)} per-layer inputs for {p * g} layers")
+    graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
+    inputs = [jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer[j::p]) for j in range(p)]
+
+    def body(carry, xs):
+      group_states, group_inputs = xs
+      outs = []
+      for j in range(p):
+        carry, out = fn(nnx.merge(graphdefs[j], group_states[j]), carry, group_inputs[j])
+        outs.append(out)
+      return carry, outs
+
+    x, outs = jax.lax.scan(body, x, (list(states), inputs))
+    return x, [jax.tree.map(lambda a, k=i // p: a[k], outs[i % p]) for i in range(p * g)]
+
+
+def _unused_indices(layer: nnx.Module) -> dict[tuple, int]:
+  """`{path: dropout_index}` of the LoRA adapters in `layer` (their per-module dropout seeds, which make otherwise
+  equal layers differ in structure), reset to 0 here; a `ConfigError` if an adapter has dropout on (its masks would
+  need a per-layer seed inside the scan)."""
+  out = {}
+  for path, module in nnx.iter_graph(layer):
+    if isinstance(module, nnx.Module) and hasattr(module, "dropout_index"):
+      if getattr(module, "dropout_rate", 0.0) > 0:
+        raise ConfigError("scanned layers (ModelConfig.scan_layers) do not support LoRA dropout; set "
+                          "lora.dropout=0 or scan_layers=False")
+      out[tuple(path)] = module.dropout_index
+      module.dropout_index = 0
+  return out
+
+
+def _set_indices(layer: nnx.Module, indices: dict[tuple, int]) -> None:
+  for path, module in nnx.iter_graph(layer):
+    if tuple(path) in indices:
+      module.dropout_index = indices[tuple(path)]
+
+
+def _stack_block(layers: Sequence[nnx.Module], donate: bool) -> nnx.Module:
+  """One module whose arrays are the `layers`' arrays stacked on a new leading axis (the layers must share one
+  structure); `donate`: each source array is deleted once stacked (peak memory: one stacked array more)."""
+  graphdef, first = nnx.split(layers[0])
+  states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
+  for i, st in enumerate(states[1:], 1):
+    other = nnx.split(layers[i])[0]
+    shapes = [(a.shape, a.dtype) for a in jax.tree.leaves(st)]
+    if other != graphdef or shapes != [(a.shape, a.dtype) for a in jax.tree.leaves(first)]:
+      raise ConfigError(f"stack_layers: layer {i} of a period differs in structure from the first; cannot scan")
+
+  def stack(*variables: nnx.Variable) -> nnx.Variable:
+    values = [v.get_value() for v in variables]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+    if donate:
+      for a in jax.tree.leaves(values):
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and not a.is_deleted():
+          a.delete()
+    return _with_axes(variables[0].replace(stacked), lambda axes: (None, *axes))
+
+  state = jax.tree.map(stack, *states, is_leaf=_is_variable)
+  return nnx.merge(graphdef, state)
+
+
+def stack_layers(model: nnx.Module, *, donate: bool = False) -> nnx.Module:
+  """Replaces `model.layers` (a list of layers) by `ScannedLayers` over the config's layer period, in place.
+
+  `donate`: delete each per-layer array once it is stacked (the model's old layers become unusable; what a trainer
+  does to keep one copy of the weights). A model already stacked is returned as is.
+  """
+  if isinstance(model.layers, ScannedLayers):
+    return model
+  layers = list(model.layers)
+  p = layer_period(model.config)
+  g = len(layers) // p
+  indices = tuple(_unused_indices(layer) for layer in layers)
+  blocks = [_stack_block(layers[j::p], donate) for j in range(p)]
+  model.layers = ScannedLayers(blocks, p, g, indices)
+  return model
+
+
+def _unstack_block(block: nnx.Module, groups: int) -> list[nnx.Module]:
+  graphdef, state = nnx.split(block)
+
+  def take(k: int) -> Callable[[nnx.Variable], nnx.Variable]:
+    def one(v: nnx.Variable) -> nnx.Variable:
+      return _with_axes(v.replace(jax.tree.map(lambda a: a[k], v.get_value())), lambda axes: axes[1:])
+    return one
+
+  return [nnx.merge(graphdef, jax.tree.map(take(k), state, is_leaf=_is_variable)) for k in range(groups)]
+
+
+def unstack_layers(model: nnx.Module) -> nnx.Module:
+  """The inverse of `stack_layers`: a new model (sharing every array outside the layers) whose `layers` is the list
+  of per-layer modules again, their arrays slices of the stacked ones. An unrolled model is returned as is."""
+  scanned = model.layers
+  if not isinstance(scanned, ScannedLayers):
+    return model
+  model = nnx.merge(*nnx.split(model))
+  per_block = [_unstack_block(block, scanned.groups) for block in scanned.blocks]
+  layers = [per_block[i % scanned.period][i // scanned.period] for i in range(len(scanned))]
+  for layer, indices in zip(layers, scanned.adapter_indices):
+    _set_indices(layer, dict(indices))
+  model.layers = nnx.List(layers)
+  return model
+
+
+def is_scanned(model: Any) -> bool:
+  """Whether `model.layers` is stacked (`stack_layers`)."""
+  return isinstance(getattr(model, "layers", None), ScannedLayers)
+
+
+__all__ = ["ScannedLayers", "is_scanned", "layer_period", "stack_layers", "unstack_layers"]
