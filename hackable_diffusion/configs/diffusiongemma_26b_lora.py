@@ -8,10 +8,10 @@ The official recipe's numbers (REFERENCE §3, the gemma JAX adapter): LoRA rank 
 (0.95, 0.99), weight decay 1e-4. The base loads in the dtype it was saved in (bf16, 47 GiB); adapters and their
 Adam moments are fp32.
 
-Memory (scripts/memory_report.py, compiled on CPU for the real shapes; table in docs/scaling.md): per-layer
-rematerialisation ('nothing_saveable'), the vocabulary-tiled loss (256 MiB of fp32 logits at a time) and a step of
-8 examples as 4 micro-batches of 2 (`train.grad_accum_steps=4`) are the settings for one 80 GB device; evaluation
-samples at batch 8.
+Memory (scripts/memory_report.py --scan, compiled on CPU for the real shapes; table in docs/scaling.md): per-layer
+rematerialisation ('nothing_saveable') with the layers scanned (`scan_layers`), the vocabulary-tiled loss (256 MiB
+of fp32 logits at a time) and a step of 8 examples as 4 micro-batches of 2 (`train.grad_accum_steps=4`): 52.7 GiB
+on one 80 GB device; in one pass (`--config.train.grad_accum_steps=1`) 58.9 GiB. Evaluation samples at batch 8.
 
 Other hardware (same file, override on the command line):
 - 8 GPUs on one host: `--config.mesh.fsdp=8 --config.train.batch_size=64 --config.train.grad_accum_steps=1`
@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="auto",  # the dtype it was saved in: bfloat16 for the release
       overrides=ml_collections.ConfigDict(dict(
           remat="nothing_saveable",  # keep only each layer's input for the backward pass (model/remat.py)
+          scan_layers=True,  # one scan over the 5 groups of 6 layers (model/scan.py): 1/5 of the compile
           moe_impl="tiled",  # each token through its top-8 experts only (what the memory report measured)
       )),
   ))

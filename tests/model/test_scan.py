@@ -68,20 +68,21 @@ def _grads(model, filt):
   return float(value), _flat(nnx.state(as_model, filt))
 
 
-@pytest.mark.parametrize("lora", [None, LoraConfig(rank=2, target_modules=("all-linear", "experts"))], ids=["full", "lora"])
-def test_scanned_gradients_equal_the_unrolled_model(lora):
+@pytest.mark.parametrize("lora,remat", [(None, "none"), (LoraConfig(rank=2, target_modules=("all-linear", "experts")),
+                                                      "nothing_saveable")], ids=["full", "lora-remat"])
+def test_scanned_gradients_equal_the_unrolled_model(lora, remat):
   """Loss and every gradient (full fine-tuning: all parameters; LoRA: the adapters, experts included) of the
-  scanned model, without and with remat, equal the unrolled model without remat (fp32, <= 1e-5 of the largest)."""
+  scanned model (without remat; with remat) equal the unrolled model without remat (fp32, <= 1e-5 of the
+  largest)."""
   filt = nnx.Param if lora is None else nnx.LoRAParam
   ref_loss, ref = _grads(_model(lora=lora), filt)
   scale = max(float(np.abs(g).max()) for g in ref.values())
   assert scale > 0 and len(ref) > 10
-  for remat in ("none", "nothing_saveable"):
-    loss, got = _grads(_model(remat, lora=lora, scanned=True), filt)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert got.keys() == ref.keys()
-    for path, g in ref.items():
-      np.testing.assert_allclose(got[path], g, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
+  loss, got = _grads(_model(remat, lora=lora, scanned=True), filt)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert got.keys() == ref.keys()
+  for path, g in ref.items():
+    np.testing.assert_allclose(got[path], g, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
 
 
 def test_stack_then_unstack_gives_the_model_back():
@@ -221,3 +222,15 @@ def test_lora_dropout_is_refused_when_scanning():
 def test_scan_layers_must_be_a_bool():
   with pytest.raises(ConfigError, match="scan_layers"):
     _config(scan_layers="yes")
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int4", "nvfp4"])
+def test_a_quantized_base_scans(mode):
+  """QLoRA: the quantized base (codes, scales, NVFP4 scale tables) stacks like any array: same logits as the
+  unrolled model, and unstacking gives its graph back."""
+  lora = LoraConfig(rank=2, base_quantization=mode, base_block_size=16)
+  unrolled, scanned = _model(lora=lora), scan.stack_layers(_model(lora=lora))
+  batch = _batch()
+  np.testing.assert_allclose(np.asarray(scanned(batch.prompt_ids, batch.completion_ids)),
+                             np.asarray(unrolled(batch.prompt_ids, batch.completion_ids)), rtol=1e-6, atol=1e-6)
+  assert nnx.split(scan.unstack_layers(scanned))[0] == nnx.split(unrolled)[0]
