@@ -403,6 +403,16 @@ def run_trainer() -> dict:
                                                       mesh=on_mesh.mesh)
     out["load_run_eval_state_is_model"] = bool(seen) and all(
         {id(x) for x in c["state"]} == {id(x) for x in model_arrays} for c in seen)
+    # the same 3 steps on the same mesh with the layers scanned (stacked variables sharded by the same rules)
+    scanned_cfg = config(3, mesh_a)
+    scanned_cfg.unlock()
+    scanned_cfg.model.overrides.scan_layers = True
+    scanned_cfg.lock()
+    with trainer_lib.SFTTrainer(scanned_cfg, os.path.join(tmp, "scanned"), progress=False) as t:
+      out["scan_q_spec"] = spec(t.state.params["layers"]["blocks"][0]["self_attn"]["q_proj"]["kernel"][...])
+      out["scan_q_shape"] = list(t.state.params["layers"]["blocks"][0]["self_attn"]["q_proj"]["kernel"][...].shape)
+      t.train()
+    out["scanned_losses"] = losses(os.path.join(tmp, "scanned"))
     out["single_losses"], out["sharded_losses"] = losses(single), losses(sharded)
     try:
       trainer_lib.SFTTrainer(config(3, mesh_a, **{"train.batch_size": 6}), os.path.join(tmp, "bad"), progress=False)

@@ -182,6 +182,15 @@ def test_trainer_on_a_mesh_equals_one_device(worker_results):
   assert len(set(single.values())) == 5  # the steps really trained (different batches, moving weights)
 
 
+def test_scanned_trainer_on_a_mesh_equals_one_device(worker_results):
+  """`scan_layers=True` on data 2 x fsdp 2 x tensor 2: stacked kernels are sharded like a layer's, behind a
+  replicated layer axis, and the per-step losses are the unrolled single-device run's."""
+  t = _get(worker_results, "trainer")
+  assert t["scan_q_spec"] == [None, "fsdp", "tensor"] and len(t["scan_q_shape"]) == 3
+  for step in ("1", "2", "3"):
+    np.testing.assert_allclose(t["scanned_losses"][step], t["single_losses"][step], rtol=1e-5)
+
+
 def test_trainer_checkpoint_resumes_on_another_mesh(worker_results):
   """The step-3 checkpoint of the 2x2x2 run restores onto fsdp 4 x tensor 2 and continues: steps 4-5 and the final
   parameters match 5 straight steps on one device."""
