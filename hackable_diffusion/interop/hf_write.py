@@ -79,7 +79,7 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   since transformers always builds a vision tower). Refuses a model whose attention structure the reference
   cannot run.
   """
-  model = scan.unstack_layers(model)  # a scanned model is written layer by layer, as the reference names it
+  model = scan.unstack_layers(model, on_host=True)  # layer by layer, as the reference names it; no device copy
   config = model.config
   if has_lora(model):
     raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
@@ -146,8 +147,10 @@ def stack_layers(model: nnx.Module, *, donate: bool = False) -> nnx.Module:
   return model
 
 
-def _unstack_block(block: nnx.Module, groups: int) -> list[nnx.Module]:
+def _unstack_block(block: nnx.Module, groups: int, on_host: bool) -> list[nnx.Module]:
   graphdef, state = nnx.split(block)
+  if on_host:  # one transfer per stacked array; every layer's array is then a view of it
+    state = jax.tree.map(np.asarray, state)
 
   def take(k: int) -> Callable[[nnx.Variable], nnx.Variable]:
     def one(v: nnx.Variable) -> nnx.Variable:
@@ -157,14 +160,16 @@ def _unstack_block(block: nnx.Module, groups: int) -> list[nnx.Module]:
   return [nnx.merge(graphdef, jax.tree.map(take(k), state, is_leaf=_is_variable)) for k in range(groups)]
 
 
-def unstack_layers(model: nnx.Module) -> nnx.Module:
+def unstack_layers(model: nnx.Module, *, on_host: bool = False) -> nnx.Module:
   """The inverse of `stack_layers`: a new model (sharing every array outside the layers) whose `layers` is the list
-  of per-layer modules again, their arrays slices of the stacked ones. An unrolled model is returned as is."""
+  of per-layer modules again, their arrays slices of the stacked ones (copies on the device; `on_host`: numpy
+  views of the stacked arrays copied to the host, no device memory: what writing a checkpoint needs). An unrolled
+  model is returned as is."""
   scanned = model.layers
   if not isinstance(scanned, ScannedLayers):
     return model
   model = nnx.merge(*nnx.split(model))
-  per_block = [_unstack_block(block, scanned.groups) for block in scanned.blocks]
+  per_block = [_unstack_block(block, scanned.groups, on_host) for block in scanned.blocks]
   layers = [per_block[i % scanned.period][i // scanned.period] for i in range(len(scanned))]
   for layer, indices in zip(layers, scanned.adapter_indices):
     _set_indices(layer, dict(indices))

@@ -192,7 +192,10 @@ def test_exports_of_a_scanned_model_equal_the_unrolled_ones(tmp_path):
   for name, t in ref.items():
     np.testing.assert_array_equal(got[name], t, err_msg=name)
   hd.save_pretrained(lora_lib.merge(unrolled), str(tmp_path / "ref"))
-  hd.save_pretrained(lora_lib.merge(scanned), str(tmp_path / "got"))
+  merged_scanned = scan.stack_layers(lora_lib.merge(scanned))  # written from the stacked form (on the host)
+  hd.save_pretrained(merged_scanned, str(tmp_path / "got"))
+  host = scan.unstack_layers(merged_scanned, on_host=True)
+  assert isinstance(host.layers[5].self_attn.q_proj.kernel.get_value(), np.ndarray)  # a host view, no device copy
   from safetensors.numpy import load_file
   a, b = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(tmp_path / "got" / "model.safetensors"))
   assert a.keys() == b.keys() and any(".layers.5." in k for k in a)
