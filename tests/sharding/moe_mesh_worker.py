@@ -137,7 +137,7 @@ def run_model() -> dict:
 
 
 def run_qlora() -> dict:
-  """The tiny model with a quantized base (fp8 / packed int4) under LoRA adapters, its variables in their shards:
+  """The tiny model with a quantized base (fp8 / packed int4 / nvfp4) under LoRA adapters, its variables in their shards:
   loss and adapter gradients == one device; reports which quantized values are really split."""
   from hackable_diffusion import lora  # noqa: PLC0415 (after the XLA flags, as every import here)
   from hackable_diffusion.lora import qlora  # noqa: PLC0415
@@ -147,7 +147,7 @@ def run_qlora() -> dict:
   ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, 6)), jnp.int32)
   canvas = jnp.asarray(rng.integers(3, cfg.vocab_size, (8, cfg.canvas_length)), jnp.int32)
   out = {}
-  for mode in ("fp8", "int4"):
+  for mode in ("fp8", "int4", "nvfp4"):
     config = lora.LoraConfig(rank=2, target_modules="all-linear", base_quantization=mode, base_block_size=16)
     model = lora.apply_lora(init_model(cfg, seed=1), config, rngs=nnx.Rngs(0))
     for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B != 0: the adapters change the output

@@ -9,7 +9,7 @@ JSON; the assertions live here:
 - The tiny model (8 experts) with `moe_impl='expert_parallel'` on `fsdp=2 x expert=4`, parameters
   in their shards, traced under `activation_sharding` == the dense model on one device: logits and every
   parameter gradient.
-- QLoRA (fp8 and packed int4 base) with its quantized values and scales in their shards == one device: loss and
+- QLoRA (fp8, packed int4 and nvfp4 base) with its quantized values and scales in their shards == one device: loss and
   adapter gradients.
 - Banded sliding-window encoder attention with the batch split over data x fsdp and the heads over tensor ==
   one device (left padding, per-row start offsets).
@@ -77,13 +77,14 @@ def test_banded_attention_on_a_mesh_equals_one_device(results, mesh):
 
 
 @pytest.mark.parametrize("case", ["fp8/data2_fsdp2_tensor2", "fp8/fsdp2_expert4", "int4/data2_fsdp2_tensor2",
-                                  "int4/fsdp2_expert4"])
+                                  "int4/fsdp2_expert4", "nvfp4/data2_fsdp2_tensor2", "nvfp4/fsdp2_expert4"])
 def test_quantized_base_on_a_mesh_equals_one_device(results, case):
   """QLoRA with the quantized values and scales in their shards (int4 packed two per byte): the loss and the
   adapter gradients equal one device's. Measured: loss within 2e-7 relative everywhere; the largest adapter
   gradient error relative to the largest gradient is 2e-5 for int4 (as the dense base's 7e-5), 6e-5 for fp8 on
   fsdp2_expert4 but 7e-4 for fp8 on data2_fsdp2_tensor2 (not explained: each quantized layer alone is bit for bit
-  one device's there, and a batch split on one device moves the fp8 gradients by 2e-7). Tolerance: 2e-3 relative,
+  one device's there, and a batch split on one device moves the fp8 gradients by 2e-7); nvfp4 1.5e-5 and 4e-6
+  (its 1 KiB scale tables stay replicated: 40 and 44 of its 60 quantized arrays are split). Tolerance: 2e-3 relative,
   far below what a misplaced shard gives (errors of the gradients' own size)."""
   m = results["qlora"][case]
   assert close(m["loss_err"], abs(m["loss"])), m
