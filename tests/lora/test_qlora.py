@@ -391,3 +391,29 @@ def test_dequantized_weights_are_not_kept_across_layers(qtype):
   print(f"{jnp.dtype(qtype).name}: temporaries per layer {grow[0] / dense:.2f} dense weights without the tie, "
         f"{grow[1] / dense:.2f} with it")
   assert grow[0] >= 0.9 * dense and grow[1] <= 0.05 * dense
+
+
+@pytest.mark.parametrize("mode", ["int4", "nvfp4"])
+def test_an_odd_output_width_is_kept_unpacked_and_dequantizes_like_the_packed_path(mode):
+  """4-bit values pack two per byte along the output axis; an odd width keeps them unpacked (and the tie is added
+  in their own dtype). Reference: the same columns inside an even-width weight, which takes the packed path (an
+  extra column of smaller magnitude leaves NVFP4's per-tensor global scale and every other column unchanged)."""
+  from hackable_diffusion.lora import qarrays  # noqa: PLC0415
+  spec = qarrays.QuantizationSpec(mode=mode, block_size=16)
+  w = np.random.default_rng(0).standard_normal((32, 6)).astype(np.float32)
+  w[:, 5] *= 0.01
+  odd_q, odd_table = qarrays.quantize_weight(w[:, :5], spec, in_axis=0, out_axes=(1,))
+  even_q, even_table = qarrays.quantize_weight(w, spec, in_axis=0, out_axes=(1,))
+  odd_stored, even_stored = qarrays.stored(odd_q.qvalue, odd_q.qtype), qarrays.stored(even_q.qvalue, even_q.qtype)
+  assert odd_stored.dtype != jnp.uint8 and odd_stored.shape == (32, 5)  # unpacked
+  assert even_stored.dtype == jnp.uint8 and even_stored.shape == (32, 3)  # packed
+  assert qarrays.logical_shape(odd_stored, odd_q.qtype) == (32, 5)
+  tie = jnp.zeros((), jnp.float32)
+
+  def deq(q, values, table):
+    scale = qarrays.stored(q.scale, jnp.float8_e4m3fn) if table is not None else q.scale
+    return np.asarray(qarrays.dequantize(values, scale, q.qtype, jnp.float32, tie=tie, table=table))
+
+  odd, even = deq(odd_q, odd_stored, odd_table), deq(even_q, even_stored, even_table)
+  np.testing.assert_array_equal(odd, even[:, :5])
+  assert np.abs(odd - w[:, :5]).max() > 0 and np.abs(odd - w[:, :5]).max() < 0.5 * np.abs(w).max()
