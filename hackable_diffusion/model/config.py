@@ -112,8 +112,8 @@ class ModelConfig:
   # the `expert` mesh axis; "auto": tiled on CPU, else ragged, or expert_parallel under a mesh with expert > 1.
   moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
-  # Run the layers as one scan over their attention pattern (model/scan.py): a run stacks its model after loading
-  # and adding adapters; compiles one period of layers instead of all of them.
+  # Run the layers as one scan over their attention pattern (model/scan.py): a run (trainer, CLIs, hd.SFTTrainer)
+  # stacks its model after loading and adding adapters; a model built by hand: `scan.stack_layers(model)`.
   scan_layers: bool = False
   # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
   # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.
