@@ -106,16 +106,19 @@ def _set_indices(layer: nnx.Module, indices: dict[tuple, int]) -> None:
       module.dropout_index = indices[tuple(path)]
 
 
-def _stack_block(layers: Sequence[nnx.Module], donate: bool) -> nnx.Module:
-  """One module whose arrays are the `layers`' arrays stacked on a new leading axis (the layers must share one
-  structure); `donate`: each source array is deleted once stacked (peak memory: one stacked array more)."""
+def _stack_block(layers: Sequence[nnx.Module], numbers: Sequence[int], donate: bool) -> nnx.Module:
+  """One module whose arrays are the `layers`' arrays (model layers `numbers`) stacked on a new leading axis (the
+  layers must share one structure); `donate`: each source array is deleted once stacked (peak memory: one stacked
+  array more)."""
   graphdef, first = nnx.split(layers[0])
-  states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
-  for i, st in enumerate(states[1:], 1):
-    other = nnx.split(layers[i])[0]
-    shapes = [(a.shape, a.dtype) for a in jax.tree.leaves(st)]
-    if other != graphdef or shapes != [(a.shape, a.dtype) for a in jax.tree.leaves(first)]:
-      raise ConfigError(f"stack_layers: layer {i} of a period differs in structure from the first; cannot scan")
+  signature = [(a.shape, a.dtype) for a in jax.tree.leaves(first)]
+  states = [first]
+  for layer, number in zip(layers[1:], numbers[1:]):
+    other, state = nnx.split(layer)
+    if other != graphdef or [(a.shape, a.dtype) for a in jax.tree.leaves(state)] != signature:
+      raise ConfigError(f"stack_layers: layer {number} differs in structure from layer {numbers[0]} (same place "
+                        "in the layer period); cannot scan")
+    states.append(state)
 
   def stack(*variables: nnx.Variable) -> nnx.Variable:
     values = [v.get_value() for v in variables]
@@ -142,7 +145,7 @@ def stack_layers(model: nnx.Module, *, donate: bool = False) -> nnx.Module:
   p = layer_period(model.config)
   g = len(layers) // p
   indices = tuple(_unused_indices(layer) for layer in layers)
-  blocks = [_stack_block(layers[j::p], donate) for j in range(p)]
+  blocks = [_stack_block(layers[j::p], range(j, len(layers), p), donate) for j in range(p)]
   model.layers = ScannedLayers(blocks, p, g, indices)
   return model
 

@@ -237,3 +237,11 @@ def test_a_quantized_base_scans(mode):
   np.testing.assert_allclose(np.asarray(scanned(batch.prompt_ids, batch.completion_ids)),
                              np.asarray(unrolled(batch.prompt_ids, batch.completion_ids)), rtol=1e-6, atol=1e-6)
   assert nnx.split(scan.unstack_layers(scanned))[0] == nnx.split(unrolled)[0]
+
+
+def test_layers_that_differ_in_structure_are_refused_naming_them():
+  """Adapters on one layer only: layer 3 has adapters that layer 1 (same place in the 2-layer period) has not."""
+  model = _model(lora=LoraConfig(rank=2, target_modules=(r"layers\.3\.self_attn\.q_proj",)))
+  with pytest.raises(ConfigError) as e:
+    scan.stack_layers(model)
+  assert "layer 3 differs in structure from layer 1" in str(e.value) and "\n" not in str(e.value)
