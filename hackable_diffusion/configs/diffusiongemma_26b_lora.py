@@ -11,7 +11,7 @@ Adam moments are fp32.
 Memory (scripts/memory_report.py --scan, compiled on CPU for the real shapes; table in docs/scaling.md): per-layer
 rematerialisation ('nothing_saveable') with the layers scanned (`scan_layers`), the vocabulary-tiled loss (256 MiB
 of fp32 logits at a time) and a step of 8 examples as 4 micro-batches of 2 (`train.grad_accum_steps=4`): 52.7 GiB
-on one 80 GB device; in one pass (`--config.train.grad_accum_steps=1`) 58.9 GiB. Evaluation samples at batch 8.
+on one 80 GB device; in one pass (`--config.train.grad_accum_steps=1`) 58.6 GiB. Evaluation samples at batch 8.
 
 Other hardware (same file, override on the command line):
 - 8 GPUs on one host: `--config.mesh.fsdp=8 --config.train.batch_size=64 --config.train.grad_accum_steps=1`

@@ -39,12 +39,19 @@ _NEG = -1e30  # masked score; a row with no visible key (a padding query) become
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values `[B, S, kv_heads, head_dim]`, `valid [B, S]` (written and not padding), `length [B]`."""
+  """Keys/values of every layer, `valid [B, S]` (written and not padding), `length [B]`.
+
+  Two layouts of the same numbers. Per layer (`groups == 0`): `keys[i]`, `values[i]` are layer `i`'s
+  `[B, S, kv_heads, head_dim]`. Stacked (`groups = G`: what a scanned model reads and writes without copying,
+  `model/scan.py`): `keys[j]` is `[G, B, S, kv_heads, head_dim]`, layers `j, j + p, ..., j + (G - 1) p` with `p =
+  len(keys)` the layer period.
+  """
 
   keys: tuple[Array, ...]
   values: tuple[Array, ...]
   valid: Array
   length: Array
+  groups: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def capacity(self) -> int:
@@ -52,17 +59,51 @@ class KVCache:
 
   def truncated(self, capacity: int) -> KVCache:
     """The first `capacity` slots (static): a reader that never looks past them attends over fewer keys."""
-    return KVCache(keys=tuple(k[:, :capacity] for k in self.keys), values=tuple(v[:, :capacity] for v in self.values),
-                   valid=self.valid[:, :capacity], length=jnp.minimum(self.length, capacity))
+    cut = (slice(None),) * (2 if self.groups else 1) + (slice(None, capacity),)
+    return self.replace(keys=tuple(k[cut] for k in self.keys), values=tuple(v[cut] for v in self.values),
+                        valid=self.valid[:, :capacity], length=jnp.minimum(self.length, capacity))
+
+  def batch_axes(self) -> KVCache:
+    """The same tree with every array replaced by the index of its batch axis (1 for stacked keys/values)."""
+    axis = 1 if self.groups else 0
+    return self.replace(keys=(axis,) * len(self.keys), values=(axis,) * len(self.values), valid=0, length=0)
+
+  def where_rows(self, which: Array, other: KVCache) -> KVCache:
+    """Rows `which [B]` from this cache, the other rows from `other` (same layout)."""
+    def pick(a, b, axis):
+      return jnp.where(which.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1)), a, b)
+    return jax.tree.map(pick, self, other, self.batch_axes())
+
+  def regrouped(self, groups: int) -> KVCache:
+    """This cache in the layout of `groups` (0: per layer; G: stacked over G groups). A copy unless unchanged."""
+    if groups == self.groups:
+      return self
+    def per_layer(arrays: tuple[Array, ...]) -> list[Array]:
+      if not self.groups:
+        return list(arrays)
+      return [arrays[i % len(arrays)][i // len(arrays)] for i in range(len(arrays) * self.groups)]
+    def layout(arrays: tuple[Array, ...]) -> tuple[Array, ...]:
+      layers = per_layer(arrays)
+      if not groups:
+        return tuple(layers)
+      period = len(layers) // groups
+      return tuple(jnp.stack(layers[j::period]) for j in range(period))
+    return self.replace(keys=layout(self.keys), values=layout(self.values), groups=groups)
 
   @classmethod
-  def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
-    shapes = [(batch, capacity, config.layer_kv_heads(i), config.layer_head_dim(i)) for i in range(config.num_hidden_layers)]
+  def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype, groups: int = 0) -> KVCache:
+    n = config.num_hidden_layers
+    if groups and n % groups:
+      raise ValueError(f"KVCache.empty: {n} layers do not split into {groups} groups")
+    period = n // groups if groups else n
+    lead = (groups,) if groups else ()
+    shapes = [lead + (batch, capacity, config.layer_kv_heads(i), config.layer_head_dim(i)) for i in range(period)]
     return cls(
         keys=tuple(jnp.zeros(s, dtype) for s in shapes),
         values=tuple(jnp.zeros(s, dtype) for s in shapes),
         valid=jnp.zeros((batch, capacity), bool),
         length=jnp.zeros((batch,), jnp.int32),
+        groups=groups,
     )
 
 

@@ -11,8 +11,8 @@ PEFT and merged export and the name tables all see it. A run stacks its model af
 Stacked variables keep their sharding metadata with a leading replicated axis (`None`), so the logical-axis rules
 shard them as before.
 
-The KV cache keeps its per-layer layout (a tuple of `[B, S, ...]` arrays that samplers and row refills treat
-uniformly); the scanned forward stacks the cache slices it reads, which copies the cache once per pass.
+A scanned model's KV cache is stacked the same way (`KVCache.groups`: `keys[j]` is `[groups, B, S, ...]`, made by
+`init_cache`), so the scan reads and writes its slices in place: no copy of the cache per pass.
 """
 
 from __future__ import annotations
@@ -60,18 +60,18 @@ class ScannedLayers(nnx.Module):
   def __len__(self) -> int:
     return self.period * self.groups
 
-  def run(self, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], x: Any, per_layer: Sequence[Any]
+  def run(self, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], x: Any, per_block: Sequence[Any]
           ) -> tuple[Any, list[Any]]:
-    """Runs `x, out_i = fn(layer_i, x, per_layer[i])` for i = 0..N-1 as a scan over groups of `period` layers.
+    """Runs `x, out_i = fn(layer_i, x, input_i)` for i = 0..N-1 as a scan over groups of `period` layers.
 
-    per_layer: one pytree per layer (e.g. its KV cache slices), stacked here along the group axis. Returns the final
-    `x` and the per-layer outputs `out_i` (unstacked, in layer order).
+    per_block: one pytree per block `j` (`period` of them) whose arrays stack the per-layer inputs of layers
+    `j, j + period, ...` on a leading `[groups]` axis (e.g. a stacked KV cache's `keys[j]`). Returns the final `x`
+    and the outputs stacked the same way (one pytree per block).
     """
-    p, g = self.period, self.groups
-    if len(per_layer) != p * g:
-      raise ValueError(f"ScannedLayers.run: {len(per_layer)} per-layer inputs for {p * g} layers")
+    p = self.period
+    if len(per_block) != p:
+      raise ValueError(f"ScannedLayers.run: {len(per_block)} per-block inputs for a period of {p} layers")
     graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
-    inputs = [jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer[j::p]) for j in range(p)]
 
     def body(carry, xs):
       group_states, group_inputs = xs
@@ -81,8 +81,7 @@ class ScannedLayers(nnx.Module):
         outs.append(out)
       return carry, outs
 
-    x, outs = jax.lax.scan(body, x, (list(states), inputs))
-    return x, [jax.tree.map(lambda a, k=i // p: a[k], outs[i % p]) for i in range(p * g)]
+    return jax.lax.scan(body, x, (list(states), list(per_block)))
 
 
 def _unused_indices(layer: nnx.Module) -> dict[tuple, int]:

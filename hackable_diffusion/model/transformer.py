@@ -49,16 +49,23 @@ def _layer_type(layer: DecoderLayer) -> str:
   return SLIDING if layer.self_attn.is_sliding else FULL
 
 
-def _run_layers(stack: nnx.List | scan.ScannedLayers, fn: Callable, x: Array, per_layer: list) -> tuple[Array, list]:
-  """`x, out_i = fn(layer_i, x, per_layer[i])` over the layers in order: unrolled, or one scan over the layer
-  period when the layers are stacked (`model.scan.stack_layers`). Returns `x` and the outputs in layer order."""
+def _run_layers(stack: nnx.List | scan.ScannedLayers, fn: Callable, x: Array, cache: KVCache
+                ) -> tuple[Array, tuple[tuple[Array, ...], tuple[Array, ...]]]:
+  """`x, (k_i, v_i) = fn(layer_i, x, (keys_i, values_i))` over the layers in order: unrolled, or one scan over the
+  layer period when the layers are stacked (`model.scan.stack_layers`; `cache` then in the stacked layout). Returns
+  `x` and the outputs' keys and values in the cache's layout (`fn` may return None: then `((), ())`)."""
+  per_layer = list(zip(cache.keys, cache.values))
   if isinstance(stack, scan.ScannedLayers):
-    return stack.run(fn, x, per_layer)
-  outs = []
-  for layer, inputs in zip(stack, per_layer):
-    x, out = fn(layer, x, inputs)
-    outs.append(out)
-  return x, outs
+    x, outs = stack.run(fn, x, per_layer)
+  else:
+    outs = []
+    for layer, inputs in zip(stack, per_layer):
+      x, out = fn(layer, x, inputs)
+      outs.append(out)
+  if any(out is None for out in outs):
+    return x, ((), ())
+  keys, values = zip(*outs)
+  return x, (tuple(keys), tuple(values))
 
 
 def _encode_layer(layer: DecoderLayer, *args):
@@ -188,8 +195,16 @@ class DiffusionGemma(nnx.Module):
     return {t: layers.rope_cos_sin(positions, f, self.dtype) for t, f in inv_freq.items()}
 
   def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
-    """An empty cache with room for `capacity` positions per row."""
-    return KVCache.empty(self.config, batch_size, capacity, dtype or self.dtype)
+    """An empty cache with room for `capacity` positions per row, in the layout the layers read (stacked when they
+    are scanned)."""
+    return KVCache.empty(self.config, batch_size, capacity, dtype or self.dtype, self._cache_groups())
+
+  def _cache_groups(self) -> int:
+    return self.layers.groups if isinstance(self.layers, scan.ScannedLayers) else 0
+
+  def _in_layout(self, cache: KVCache) -> KVCache:
+    """`cache` in the layout the layers read (a copy only for a cache made for the other form of the model)."""
+    return cache.regrouped(self._cache_groups())
 
   # ---- modes -----------------------------------------------------------------------------------------------------
   def encode(self, input_ids: Array, cache: KVCache, attention_mask: Array | None = None) -> tuple[Array, KVCache]:
@@ -212,9 +227,9 @@ class DiffusionGemma(nnx.Module):
       x, k, v = run(layer, x, *rope[_layer_type(layer)], *kv, start, valid)
       return sharding.constrain(x, _RESIDUAL), (k, v)
 
-    x, kvs = _run_layers(self.layers, one, x, list(zip(cache.keys, cache.values)))
-    keys, values = zip(*kvs)
-    new_cache = KVCache(keys=tuple(keys), values=tuple(values), valid=valid, length=start + l)
+    cache = self._in_layout(cache)
+    x, (keys, values) = _run_layers(self.layers, one, x, cache)
+    new_cache = cache.replace(keys=keys, values=values, valid=valid, length=start + l)
     return self.norm(x), new_cache
 
   def decode(self, canvas: Array, cache: KVCache, self_conditioning_logits: Array | None = None,
@@ -258,7 +273,7 @@ class DiffusionGemma(nnx.Module):
       t = _layer_type(layer)
       return sharding.constrain(run(layer, x, *rope[t], *kv, prefix[t], canvas_attention_mask), _RESIDUAL), None
 
-    x, _ = _run_layers(self.layers, one, x, list(zip(cache.keys, cache.values)))
+    x, _ = _run_layers(self.layers, one, x, self._in_layout(cache))
     return self.norm(x)
 
   def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,

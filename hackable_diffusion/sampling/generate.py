@@ -38,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hackable_diffusion import sharding as sharding_lib
+from hackable_diffusion.model.attention import KVCache
 from hackable_diffusion.sampling import programs
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseScalars, DenoiseState, StepInfo
@@ -137,9 +138,8 @@ def generate(
     key = p.rng
   else:
     state = place_state(state, p.mesh)
-    # created in its shards (every cache array is [batch, ...]): never whole on one device
-    cache = _empty_in_shards(jax.eval_shape(lambda: model.init_cache(p.batch, p.cache_capacity)),
-                             sharding_lib.batch_sharding(p.mesh))
+    # created in its shards (split along each array's batch axis): never whole on one device
+    cache = _empty_in_shards(jax.eval_shape(lambda: model.init_cache(p.batch, p.cache_capacity)), p.mesh)
     key = _replicated_key(p.rng, p.mesh)
   allowed = place(p.allowed) if p.allowed is not None else jnp.ones((1, 1), bool)
   structure = p.structure if p.structure is not None else jnp.ones((1, 1, 1, 1), bool)
@@ -242,14 +242,17 @@ def place_state(state: Any, mesh: Mesh) -> Any:
   return jax.tree.map(one, state, targets)
 
 
-def _empty_in_shards(shapes: Any, sharding: NamedSharding) -> Any:
-  """Zeros of every `ShapeDtypeStruct` of `shapes` (an empty KV cache), each device writing only its own shard."""
+def _empty_in_shards(shapes: KVCache, mesh: Mesh) -> KVCache:
+  """Zeros of every `ShapeDtypeStruct` of `shapes` (an empty KV cache), split along each array's batch axis over the
+  mesh's batch axes, each device writing only its own shard."""
+  batch_spec = tuple(sharding_lib.batch_sharding(mesh).spec)
 
-  def one(x: jax.ShapeDtypeStruct) -> Array:
+  def one(x: jax.ShapeDtypeStruct, axis: int) -> Array:
+    sharding = NamedSharding(mesh, PartitionSpec(*(None,) * axis, *batch_spec))
     shard = np.zeros(sharding.shard_shape(x.shape), x.dtype)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: shard)
 
-  return jax.tree.map(one, shapes)
+  return jax.tree.map(one, shapes, shapes.batch_axes())
 
 
 def _replicated_key(rng: Array, mesh: Mesh) -> Array:

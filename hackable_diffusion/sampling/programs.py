@@ -164,7 +164,7 @@ def encode_rows_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Pro
       start = cache.replace(length=jnp.where(reset, 0, cache.length), valid=cache.valid & ~reset[:, None])
       _, new = model.encode(ids, start, mask)
       new = new.replace(length=length)
-      return jax.tree.map(lambda n, o: jnp.where(which.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, cache)
+      return new.where_rows(which, cache)
 
     return encode
 

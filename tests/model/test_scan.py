@@ -217,6 +217,48 @@ def test_generate_with_a_scanned_model_gives_the_unrolled_sequences():
   np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(out[0]))
 
 
+def test_a_scanned_model_keeps_its_cache_stacked():
+  """`init_cache` of a scanned model is stacked (`keys[j]`: `[groups, B, S, ...]`, layers j, j + period, ...);
+  encoding writes the numbers the unrolled model writes layer by layer, and either model decodes from either layout
+  (a cache of the other layout is converted) with the same logits."""
+  batch = _batch()
+  unrolled, scanned = _model(), _model(scanned=True)
+  caches = {}
+  for name, m in (("unrolled", unrolled), ("scanned", scanned)):
+    _, caches[name] = m.encode(batch.prompt_ids, m.init_cache(3, 5), batch.prompt_mask)
+  assert caches["unrolled"].groups == 0 and len(caches["unrolled"].keys) == 2 * GROUPS
+  assert caches["scanned"].groups == GROUPS and [k.shape[:2] for k in caches["scanned"].keys] == [(GROUPS, 3)] * 2
+  per_layer = caches["scanned"].regrouped(0)
+  for got, ref in zip(per_layer.keys + per_layer.values, caches["unrolled"].keys + caches["unrolled"].values):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(caches["unrolled"].regrouped(GROUPS).keys[1][2]),
+                                np.asarray(caches["unrolled"].keys[5]))  # layer 5 = block 1, group 2
+  canvas = batch.completion_ids
+  ref = np.asarray(unrolled.decode(canvas, caches["unrolled"]))
+  for m, cache in ((scanned, caches["scanned"]), (scanned, caches["unrolled"]), (unrolled, caches["scanned"])):
+    np.testing.assert_allclose(np.asarray(m.decode(canvas, cache)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_from_the_stacked_cache_copies_no_cache():
+  """The sampler's step (a decoder pass reading the cache) of a scanned model compiles without a copy of the cache:
+  its temporaries are smaller by at least the cache's size than when it is handed a per-layer cache (which it must
+  stack)."""
+  cfg = _config()
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: scan.stack_layers(DiffusionGemma(cfg, rngs=nnx.Rngs(0)))))
+  b, capacity = 4, 4096
+  stacked = jax.eval_shape(lambda: nnx.merge(graphdef, state).init_cache(b, capacity))
+  per_layer = jax.eval_shape(lambda c: c.regrouped(0), stacked)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((stacked.keys, stacked.values)))
+  canvas = jax.ShapeDtypeStruct((b, CANVAS), jnp.int32)
+
+  def temp(cache):
+    step = jax.jit(lambda st, cache, canvas: nnx.merge(graphdef, st).decode_hidden(canvas, cache))
+    return step.lower(state, cache, canvas).compile().memory_analysis().temp_size_in_bytes
+
+  assert stacked.groups == GROUPS
+  assert temp(stacked) + cache_bytes <= temp(per_layer), (temp(stacked), temp(per_layer), cache_bytes)
+
+
 def test_lora_dropout_is_refused_when_scanning():
   with pytest.raises(ConfigError, match="scan_layers.*dropout|dropout.*scan"):
     _model(lora=LoraConfig(rank=2, dropout=0.1), scanned=True)

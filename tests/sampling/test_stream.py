@@ -16,6 +16,7 @@ from flax import nnx
 
 import hackable_diffusion as hd
 from hackable_diffusion.model.config import get_preset
+from hackable_diffusion.model.scan import stack_layers
 from hackable_diffusion.sampling import programs
 from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
 
@@ -123,3 +124,18 @@ def test_a_bad_token_id_names_the_request(model, prompts):
   with pytest.raises(ValueError, match="input_ids") as e:
     list(generate_stream(model, list(bad), hd.SamplingConfig(max_new_tokens=8), rng=jax.random.key(0)))
   assert "\n" not in str(e.value)
+
+
+def test_a_scanned_model_streams_the_unrolled_sequences(model, prompts):
+  """Scanned layers keep the KV cache stacked (`[groups, B, ...]`, the batch on axis 1): refilling slots replaces
+  rows along that axis, and every row still gets the unrolled model's fixed-batch sequence."""
+  sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, **CONFIG)
+  rng = jax.random.key(3)
+  fixed = hd.generate(model, prompts, sampling, rng=_keys(rng, N))
+  scanned = stack_layers(nnx.clone(model))
+  assert scanned.init_cache(2, 4).groups == len(scanned.layers) // scanned.layers.period
+  outs = list(generate_stream(scanned, list(prompts), sampling, rng=rng, batch_size=3, chunk_steps=2))
+  assert sorted(o.index for o in outs) == list(range(N))
+  for o in outs:
+    np.testing.assert_array_equal(o.sequence, np.asarray(fixed.sequences)[o.index, :len(o.sequence)])
+    np.testing.assert_array_equal(o.denoising_steps, np.asarray(fixed.denoising_steps)[o.index, :len(o.denoising_steps)])

@@ -40,6 +40,7 @@ from hackable_diffusion import sharding as sh  # noqa: E402
 from hackable_diffusion.data.sft import SFTBatch  # noqa: E402
 from hackable_diffusion.diffusion.loss import LossConfig  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
+from hackable_diffusion.model.scan import stack_layers  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model  # noqa: E402
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from hackable_diffusion.training.step import (init_train_state, init_train_state_sharded,  # noqa: E402
@@ -187,6 +188,11 @@ def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
   programs_lib.denoise_program = spy
   try:
     sharded = hd.generate(init_model(CFG, 3), ids, sampling, mesh=mesh, **kwargs)
+    unsharded_seen = dict(seen)
+    # scanned layers: the cache is stacked [groups, batch, ...] and split along its batch axis (1)
+    scanned = hd.generate(stack_layers(init_model(CFG, 3)), ids, sampling, mesh=mesh, **kwargs)
+    scanned_cache_key = seen["cache_key"]
+    seen = unsharded_seen
   finally:
     programs_lib.denoise_program = original
   try:
@@ -198,6 +204,8 @@ def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
       "equal": bool(np.array_equal(np.asarray(single.sequences), np.asarray(sharded.sequences))),
       "steps_equal": bool(np.array_equal(np.asarray(single.denoising_steps), np.asarray(sharded.denoising_steps))),
       "tpf_equal": bool(np.array_equal(np.asarray(single.tokens_per_forward), np.asarray(sharded.tokens_per_forward))),
+      "scanned_equal": bool(np.array_equal(np.asarray(single.sequences), np.asarray(scanned.sequences))),
+      "scanned_cache_key": scanned_cache_key,
       "new_tokens": int(np.asarray(single.sequences).shape[1] - ids.shape[1]),
       "specs": seen,
       "bad_batch_error": bad,

@@ -161,6 +161,9 @@ def test_generate_mesh_argument_equals_one_device(worker_results):
       ("seed", "pinned", "allowed", "frozen", "cache_valid"), batch)
   assert specs["cache_key"][0] == batch[0]
   assert specs["embed"] == ["tensor", "fsdp"]
+  # scanned layers: the same sequences, the stacked cache [groups, batch, ...] split along its batch axis
+  assert g["scanned_equal"]
+  assert g["scanned_cache_key"][:2] == [None, batch[0]]
 
 
 def test_generate_mesh_rejects_a_batch_it_cannot_split(worker_results):
