@@ -3,7 +3,8 @@
 Both sample every example with its own key (`fold_in(key(seed), i)`), so both give the same completions (checked and
 printed: equal accuracy by construction); what differs is the time. A fixed batch runs until its slowest row stops;
 the stream refills a slot as soon as its row stops. Tokens/s = examples x generated tokens / wall seconds, each
-loop timed on its second full pass (the first compiles), in one process.
+loop's median over `--repeats` full passes run in alternation (after an untimed pass over one batch of examples
+that compiles both), in one process.
 
   python scripts/benchmark_refill.py --workdir=runs/sudoku          # a trained run: its evaluation set and sampler
   python scripts/benchmark_refill.py --workdir=runs/sudoku --examples=300 --batch=64 --chunk_steps=2
@@ -52,23 +53,41 @@ def streamed(model: Any, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray | 
 
 
 def timed(fn) -> tuple[Any, float]:
-  fn()  # compile
   t0 = time.perf_counter()
   out = fn()
   return out, time.perf_counter() - t0
 
 
 def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int, allowed=None, seed: int = 0,
-            score=None) -> dict[str, Any]:
+            score=None, repeats: int = 3) -> dict[str, Any]:
+  """Both loops over every example, `repeats` times in alternation (after one untimed pass over one batch's worth
+  of examples, which compiles both); tokens/s is each loop's median."""
   keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(ids.shape[0]))
-  fixed, t_fixed = timed(lambda: fixed_batches(model, ids, mask, seeds, pins, keys, sampling, batch, allowed))
-  (stream, steps), t_stream = timed(lambda: streamed(model, ids, mask, seeds, pins, keys, sampling, batch, allowed,
-                                                     chunk_steps))
+
+  def run_fixed(k: int):
+    return fixed_batches(model, ids[:k], mask[:k], cut(seeds, k), cut(pins, k), keys[:k], sampling, batch, allowed)
+
+  def run_stream(k: int):
+    return streamed(model, ids[:k], mask[:k], cut(seeds, k), cut(pins, k), keys[:k], sampling, batch, allowed,
+                    chunk_steps)
+
+  warm, n = min(batch, ids.shape[0]), ids.shape[0]
+  run_fixed(warm), run_stream(warm)
+  t_fixed, t_stream = [], []
+  for _ in range(repeats):
+    fixed, t = timed(lambda: run_fixed(n))
+    t_fixed.append(t)
+    (stream, steps), t = timed(lambda: run_stream(n))
+    t_stream.append(t)
   same = len(fixed) == len(stream) and all(np.array_equal(a[:len(b)], b) for a, b in zip(fixed, stream))
   tokens = sum(len(s) for s in stream)
-  return {"examples": ids.shape[0], "batch": batch, "chunk": chunk_steps, "refill": tokens / t_stream,
-          "fixed": tokens / t_fixed, "same": same, "steps": float(np.mean(steps)),
-          "score": None if score is None else score(stream)}
+  return {"examples": n, "batch": batch, "chunk": chunk_steps, "refill": tokens / float(np.median(t_stream)),
+          "fixed": tokens / float(np.median(t_fixed)), "same": same, "steps": float(np.mean(steps)),
+          "score": None if score is None else score(stream), "repeats": repeats}
+
+
+def cut(x: np.ndarray | None, k: int) -> np.ndarray | None:
+  return None if x is None else x[:k]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -123,6 +142,7 @@ def main(argv=None) -> int:
   parser.add_argument("--examples", type=int, default=0, help="evaluation examples (0: all)")
   parser.add_argument("--batch", type=int, default=0, help="rows per batch / slots (0: the run's eval.batch_size)")
   parser.add_argument("--chunk_steps", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=3, help="timed passes of each loop, alternating (median)")
   parser.add_argument("--smoke", action="store_true")
   args = parser.parse_args(argv)
   if not (args.smoke or args.workdir):
@@ -131,7 +151,7 @@ def main(argv=None) -> int:
   model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
   batch = args.batch or default_batch
   row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps,
-                allowed=allowed, score=score)
+                allowed=allowed, score=score, repeats=args.repeats)
   print(table([row]))
   return 0 if row["same"] else 1
 

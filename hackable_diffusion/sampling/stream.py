@@ -180,6 +180,16 @@ def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width:
                  pinned=as_row(request.pinned))
 
 
+def _placed_like(state: Any, tree: Any) -> Any:
+  """`tree` committed to the device of the model's arrays when they are committed to one: the compiled programs
+  return the cache and row state committed there, and a first call with uncommitted inputs would compile each
+  program a second time (measured: 5.4 s for the Sudoku denoising chunk)."""
+  leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
+  if leaf is None or not getattr(leaf, "committed", False) or len(leaf.devices()) != 1:
+    return tree
+  return jax.device_put(tree, next(iter(leaf.devices())))
+
+
 def _output(slot: _Slot, shared: Prepared) -> StreamOutput:
   request = slot.request
   prompt = request.input_ids[0][request.attention_mask[0]]
@@ -201,10 +211,11 @@ class _Runner:
     self.shared, self.batch = shared, batch
     canvas = shared.canvas_length
     self.bucket = shared.config.bucket_prompt_length(width)
-    self.cache = model.init_cache(batch, self.bucket + (shared.num_canvases - 1) * canvas)
+    self.cache = _placed_like(self.state, model.init_cache(batch, self.bucket + (shared.num_canvases - 1) * canvas))
     self.encode = programs.encode_rows_program(graphdef)
     self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
-    self.rows = rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype, static.stability_threshold)
+    self.rows = _placed_like(self.state, rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype,
+                                                              static.stability_threshold))
     self.seed = np.zeros((batch, canvas), np.int32)
     self.pins = np.zeros((batch, canvas), bool)
     self.continuing = np.zeros(batch, bool)

@@ -139,3 +139,18 @@ def test_a_scanned_model_streams_the_unrolled_sequences(model, prompts):
   for o in outs:
     np.testing.assert_array_equal(o.sequence, np.asarray(fixed.sequences)[o.index, :len(o.sequence)])
     np.testing.assert_array_equal(o.denoising_steps, np.asarray(fixed.denoising_steps)[o.index, :len(o.denoising_steps)])
+
+
+def test_a_stream_compiles_each_program_once(model, prompts, caplog):
+  """With the model's arrays committed to a device (as a loaded checkpoint's are), the stream's first chunk and
+  encode see the same argument placement as the later ones: one XLA compilation each, not two."""
+  graphdef, state = nnx.split(model)
+  committed = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+  sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **CONFIG)
+  with jax.log_compiles(), caplog.at_level("WARNING"):
+    outs = list(generate_stream(committed, list(prompts), sampling, rng=jax.random.key(3), batch_size=4,
+                                chunk_steps=2))
+  assert len(outs) == N
+  compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+  assert sum("jit(run)" in m for m in compiled) == 1, compiled
+  assert sum("jit(encode)" in m for m in compiled) == 1, compiled
