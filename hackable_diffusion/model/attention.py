@@ -78,6 +78,7 @@ class KVCache:
     """This cache in the layout of `groups` (0: per layer; G: stacked over G groups). A copy unless unchanged."""
     if groups == self.groups:
       return self
+    _check_groups(len(self.keys) * (self.groups or 1), groups)
     def per_layer(arrays: tuple[Array, ...]) -> list[Array]:
       if not self.groups:
         return list(arrays)
@@ -93,8 +94,7 @@ class KVCache:
   @classmethod
   def empty(cls, config: ModelConfig, batch: int, capacity: int, dtype, groups: int = 0) -> KVCache:
     n = config.num_hidden_layers
-    if groups and n % groups:
-      raise ValueError(f"KVCache.empty: {n} layers do not split into {groups} groups")
+    _check_groups(n, groups)
     period = n // groups if groups else n
     lead = (groups,) if groups else ()
     shapes = [lead + (batch, capacity, config.layer_kv_heads(i), config.layer_head_dim(i)) for i in range(period)]
@@ -105,6 +105,11 @@ class KVCache:
         length=jnp.zeros((batch,), jnp.int32),
         groups=groups,
     )
+
+
+def _check_groups(layers: int, groups: int) -> None:
+  if groups < 0 or (groups and layers % groups):
+    raise ValueError(f"KVCache: groups={groups} is invalid for {layers} layers: 0 (per layer) or a divisor of {layers}")
 
 
 def write_rows(cache: Array, new: Array, start: Array) -> Array:

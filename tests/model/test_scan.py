@@ -233,6 +233,15 @@ def test_a_scanned_model_keeps_its_cache_stacked():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(caches["unrolled"].regrouped(GROUPS).keys[1][2]),
                                 np.asarray(caches["unrolled"].keys[5]))  # layer 5 = block 1, group 2
+  # row replacement along the stacked batch axis (axis 1) == the same rows replaced layer by layer
+  which, other = jnp.array([True, False, True]), scanned.init_cache(3, 5)
+  picked, ref_picked = caches["scanned"].where_rows(which, other).regrouped(0), caches["unrolled"].where_rows(
+      which, other.regrouped(0))
+  for got, ref in zip(picked.keys + picked.values, ref_picked.keys + ref_picked.values):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
+  assert not np.asarray(picked.keys[5])[1].any() and np.asarray(picked.keys[5])[0].any()
+  with pytest.raises(ValueError, match="groups=4 is invalid for 6 layers"):
+    caches["unrolled"].regrouped(4)
   canvas = batch.completion_ids
   ref = np.asarray(unrolled.decode(canvas, caches["unrolled"]))
   for m, cache in ((scanned, caches["scanned"]), (scanned, caches["unrolled"]), (unrolled, caches["scanned"])):
