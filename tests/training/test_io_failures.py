@@ -408,7 +408,7 @@ def test_disk_full_cli_on_tmpfs(tmp_path):
         proc.wait()
     lines = [line for line in stderr.strip().splitlines() if line]
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
-    assert "No space left on device" in lines[0] and "is kept" in lines[0]
+    assert "No space left on device" in lines[0] and "is kept" in lines[0], lines[0]  # the whole line when it fails
     os.remove(os.path.join(mnt, "filler"))  # the reader needs no space, but orbax opens files read-only anyway
     steps = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).complete_steps()
     assert steps and run_lib.load_run(workdir).step == steps[-1]
