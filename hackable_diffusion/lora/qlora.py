@@ -161,7 +161,8 @@ class QuantizedExperts(moe.Experts):
                              _value(getattr(self, f"{n}_table"))) for n in EXPERT_PARAMS)
       ties = jnp.broadcast_to(tie, (num_experts,))  # [E]: scanned with the experts
       decode = functools.partial(_decode_expert, qtype=self.qtype, dtype=self.dtype)
-      return moe_tiled.frozen_tiled_experts(x, weights, idx, (stored_values, ties), decode, num_experts)
+      kernel = functools.partial(moe_tiled.frozen_tiled_experts, decode=decode, num_experts=num_experts)
+      return moe.on_local_tokens(kernel, x, weights, idx, (), ((stored_values, ties),))  # each device its tokens
     gate_up, down = self.expert_weights(tie=tie)
     return moe.experts_forward(self.impl, x, weights, idx, gate_up, down)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from hackable_diffusion.model import layers
-from hackable_diffusion.model.moe_tiled import tiled_experts
+from hackable_diffusion.model.moe_tiled import ExpertSplit, tiled_experts
+from hackable_diffusion.sharding.local import gather_whole, row_axes, spec_axes, weight_spec
 from hackable_diffusion.sharding.logical import active_mesh, logical_to_mesh_spec
 
 Array = jax.Array
@@ -136,11 +138,11 @@ def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Ar
   if impl == "expert_parallel":
     return expert_parallel_experts(x, weights, idx, gate_up, down, mesh=active_mesh())
   if impl == "ragged":
-    return ragged_experts(x, weights, idx, gate_up, down)
+    return on_local_tokens(ragged_experts, x, weights, idx, (gate_up, down))
   if impl == "dense":
     return dense_experts(x, weights, idx, gate_up, down)
   if impl == "tiled":
-    return tiled_experts(x, weights, idx, gate_up, down)
+    return on_local_tokens(tiled_experts, x, weights, idx, (gate_up, down), per_expert=True)
   raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged or expert_parallel")
 
 
@@ -237,8 +239,45 @@ def local_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Ar
   return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(ys.astype(jnp.float32) * w[:, None])
 
 
-def _spec_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+EXPERT_WEIGHT_AXES = (("expert", "mlp", "embed"), ("expert", "embed", "mlp"))  # gate_up [E, 2I, H], down [E, H, I]
+
+
+def on_local_tokens(kernel: Callable, x: Array, weights: Array, idx: Array, experts: tuple[Array, ...],
+                    frozen: tuple = (), *, per_expert: bool = False) -> Array:
+  """`kernel(x, weights, idx, *experts, *frozen)` run by each device on its own tokens under the active mesh.
+
+  x [T, H], weights/idx [T, K]: split like the batch (`batch` rule). `experts` (gate_up [E, 2I, H], down
+  [E, H, I], or none) enter split as their sharding rules say and are gathered whole inside, one layer at a time,
+  as FSDP does; their gradients leave reduce-scattered (`sharding.local`). With `per_expert` (the `tiled` kernel)
+  the split that the batch axes make stays and the kernel gathers one expert at a time (`kernel(...,
+  split=moe_tiled.ExpertSplit)`), so a layer's whole weights or gradients never exist. `frozen`: more arguments
+  without gradients (e.g. a quantized base), gathered whole at the boundary.
+
+  The sorting kernels (`tiled`, `ragged`) order all T*K assignments by expert: left to the partitioner, that
+  global sort is replicated, so every device would route, gather and run every device's tokens (the 26B-A4B,
+  batch 8 per device on fsdp=8: a 3 GiB slab per layer, all-reduced). Outside a mesh, or when the tokens are not
+  split, `kernel` runs as is.
+  """
+  axes = row_axes(x.shape[0])
+  if not axes:
+    return kernel(x, weights, idx, *experts, *frozen)
+  specs = tuple(weight_spec(w, names) for w, names in zip(experts, EXPERT_WEIGHT_AXES))
+
+  def per_device(x, weights, idx, experts, frozen):
+    # each gather waits for the layer's input (else XLA may hoist every layer's gathers to the start)
+    experts = tuple(jax.lax.optimization_barrier((w, x))[0] for w in experts)
+    # per expert: an expert's matrix is split from dimension 1 on ([E, ...] minus the expert axis)
+    gathered = [gather_whole(w, spec, axes, keep_from_dim=1 if per_expert else None)
+                for w, spec in zip(experts, specs)]
+    frozen = jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), frozen)
+    more = {}
+    if per_expert:
+      more["split"] = ExpertSplit(*(None if kept is None else (kept[0], kept[1] - 1) for _, kept in gathered))
+    return kernel(x, weights, idx, *(w for w, _ in gathered), *frozen, **more)
+
+  tokens = PartitionSpec(axes)
+  return jax.shard_map(per_device, mesh=active_mesh(), in_specs=(tokens, tokens, tokens, specs, PartitionSpec()),
+                       out_specs=tokens)(x, weights, idx, tuple(experts), frozen)
 
 
 def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *,
@@ -257,7 +296,7 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
   if num_experts % n:
     raise ValueError(f"expert_parallel: {num_experts} experts do not split over mesh axis {axis!r} of size {n}")
   token_spec = logical_to_mesh_spec(("batch", None), mesh=mesh, shape=x.shape)  # [T, ...] like the batch
-  token_axes = _spec_axes(token_spec[0] if len(token_spec) else None)
+  token_axes = spec_axes(token_spec[0] if len(token_spec) else None)
   gathered = axis in token_axes  # tokens split over `axis` too: gather them, scatter the sums back
   other_axes = tuple(a for a in token_axes if a != axis)  # tokens differ along these; weights do not
 

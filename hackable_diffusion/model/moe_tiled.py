@@ -5,6 +5,7 @@ it there); it computes `moe.dense_experts`' function on the same Hugging Face we
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -64,6 +65,34 @@ def dense_pair(w: tuple[Array, Array]) -> tuple[Array, Array]:
   return w
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+  """How each device holds the expert weights inside `jax.shard_map` (`moe.on_local_tokens`): per weight (gate_up,
+  down), the mesh axes that split one expert's matrix and the dimension they split (None: held whole).
+
+  `tile_mlp` then gathers one expert's matrix at a time (`all_gather`, forward and backward) and reduce-scatters
+  that expert's gradient back to the shard (`psum_scatter`), so a layer's whole weights or gradients never exist
+  at once: the FSDP pattern, per expert. The default holds everything whole (no collectives).
+  """
+
+  gate_up: tuple[tuple[str, ...], int] | None = None
+  down: tuple[tuple[str, ...], int] | None = None
+
+  def gather(self, pair: tuple[Array, Array]) -> tuple[Array, Array]:
+    """One expert's (gate_up, down) shards -> whole [2I, H], [H, I]."""
+    return tuple(w if s is None else jax.lax.all_gather(w, s[0], axis=s[1], tiled=True)
+                 for w, s in zip(pair, (self.gate_up, self.down)))
+
+  def scatter(self, pair: tuple[Array, Array]) -> tuple[Array, Array]:
+    """One expert's whole gradients -> this device's shard of their sum over the split axes (`gather`'s
+    transpose)."""
+    return tuple(g if s is None else jax.lax.psum_scatter(g, s[0], scatter_dimension=s[1], tiled=True)
+                 for g, s in zip(pair, (self.gate_up, self.down)))
+
+
+WHOLE = ExpertSplit()
+
+
 def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, decode: Callable, tile: int,
                    keep_pre: bool):
   """xs [R, H] -> ys [R, H] (and the gate/up pre-activations [R, 2I] when `keep_pre`).
@@ -89,42 +118,46 @@ def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, deco
 
   gate_up, _ = jax.eval_shape(decode, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), weights))
   compute = jnp.result_type(xs.dtype, gate_up.dtype)
-  slabs = (jnp.zeros(xs.shape, compute),)
+  # zeros_like: inside `jax.shard_map` the slabs vary over the mesh axes the tokens do (`moe.on_local_tokens`)
+  slabs = (jnp.zeros_like(xs, compute),)
   if keep_pre:
-    slabs += (jnp.zeros((xs.shape[0], gate_up.shape[0]), compute),)
+    slabs += (jnp.zeros_like(xs, compute, shape=(xs.shape[0], gate_up.shape[0])),)
   return jax.lax.scan(expert, slabs, (weights, first_tile, num_tiles))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, down: Array, tile: int) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, down: Array, tile: int,
+             split: ExpertSplit = WHOLE) -> Array:
   """Each expert's tiles of the slab xs [R, H] through its gated MLP -> [R, H] (see `TileLayout`).
 
   Differentiable in xs, gate_up [E, 2I, H] and down [E, H, I] by a hand-written backward pass with the same loop
-  structure (autodiff would not reverse the dynamic-length tile loop).
+  structure (autodiff would not reverse the dynamic-length tile loop). `split`: the weights are this device's
+  shards, gathered one expert at a time (`ExpertSplit`).
   """
-  return _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), dense_pair, tile, keep_pre=False)[0]
+  return _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, keep_pre=False)[0]
 
 
-def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int):
+def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int, split: ExpertSplit):
   # symbolic zeros: each array argument comes as (value, perturbed); frozen expert weights (LoRA) get no gradient,
   # so their [E, 2I, H] / [E, H, I] accumulators are not even built
   weights_trained = () if (gate_up.perturbed or down.perturbed) else None  # static in the residuals' structure
   xs, first_tile, num_tiles, gate_up, down = (a.value for a in (xs, first_tile, num_tiles, gate_up, down))
-  ys, pre = _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), dense_pair, tile, keep_pre=True)
+  ys, pre = _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, keep_pre=True)
   return ys, (xs, first_tile, num_tiles, gate_up, down, pre, weights_trained)
 
 
-def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
+def _tile_mlp_bwd(tile: int, split: ExpertSplit, residuals, d_ys: Array):
   xs, first_tile, num_tiles, gate_up, down, pre, weights_trained = residuals
   if isinstance(d_ys, jax.custom_derivatives.SymbolicZero):
-    d_ys = jnp.zeros(d_ys.aval.shape, d_ys.aval.dtype)
+    d_ys = jnp.zeros_like(residuals[0], d_ys.aval.dtype)  # [R, H] like xs (and its mesh variance)
   if weights_trained is None:
-    d_xs = _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, (gate_up, down), dense_pair, pre, d_ys)
+    d_xs = _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, (gate_up, down), split.gather, pre, d_ys)
     return d_xs, None, None, None, None
   acc = jnp.promote_types(gate_up.dtype, jnp.float32)  # weight gradients accumulate over tiles in fp32
 
   def expert(d_xs, inputs):
-    w_gate_up, w_down, first, count = inputs  # [2I, H], [H, I], tile index, tile count
+    shard_gate_up, shard_down, first, count = inputs  # this device's [2I, H], [H, I] (whole unless split)
+    w_gate_up, w_down = split.gather((shard_gate_up, shard_down))  # [2I, H], [H, I]
 
     def one_tile(j, carry):
       d_xs, d_gate_up, d_down = carry  # [R, H], [2I, H], [H, I]
@@ -137,8 +170,9 @@ def _tile_mlp_bwd(tile: int, residuals, d_ys: Array):
       return (jax.lax.dynamic_update_slice_in_dim(d_xs, d_x, start, 0), d_gate_up + (d_pre.T @ x).astype(acc),
               d_down + (dy.T @ act).astype(acc))
 
-    zeros = (jnp.zeros(w_gate_up.shape, acc), jnp.zeros(w_down.shape, acc))
+    zeros = (jnp.zeros_like(w_gate_up, acc), jnp.zeros_like(w_down, acc))
     d_xs, d_gate_up, d_down = jax.lax.fori_loop(0, count, one_tile, (d_xs, *zeros))
+    d_gate_up, d_down = split.scatter((d_gate_up, d_down))  # the shards' gradients, summed over the split axes
     return d_xs, (d_gate_up.astype(gate_up.dtype), d_down.astype(down.dtype))
 
   d_xs, (d_gate_up, d_down) = jax.lax.scan(expert, jnp.zeros_like(xs), (gate_up, down, first_tile, num_tiles))
@@ -191,15 +225,15 @@ frozen_tile_mlp.defvjp(_frozen_tile_mlp_fwd, _frozen_tile_mlp_bwd)
 
 
 def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
-                  tile_rows: int | None = None) -> Array:
+                  tile_rows: int | None = None, split: ExpertSplit = WHOLE) -> Array:
   """`dense_experts`' function, computing only the selected (token, expert) pairs.
 
   x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. The T*K assignments are grouped
   by expert into tiles of `tile_rows` rows (default `moe_tile_rows`), run through `tile_mlp` and gathered back
   with their routing weights. Shapes are static (a slab of `<= T*K + E*(tile_rows-1)` rows); the number of tiles
-  computed is not.
+  computed is not. `split`: inside `jax.shard_map`, the weights are this device's shards (`ExpertSplit`).
   """
-  mlp = lambda xs, layout, tile: tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile)
+  mlp = lambda xs, layout, tile: tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile, split)
   return _routed(x, weights, idx, gate_up.shape[0], mlp, tile_rows)
 
 

@@ -4,6 +4,8 @@
               (imports nothing else of the project: the model uses it)
   mesh.py     `MeshConfig` (the `mesh` config section), `make_mesh`, `maybe_initialize_distributed`
   memory.py   per-device bytes of a training state on any mesh shape (`memory_estimate`, `memory_table`)
+  local.py    helpers for `jax.shard_map` code that runs on each device's own rows with the weights gathered whole
+              (FSDP by hand: the MoE kernels' `model.moe.on_local_tokens`)
 
 Sharded training lives with the step (`training.step.make_train_step(..., mesh=)`, `init_train_state_sharded`),
 sharded loading with the loader (`interop.hf.load_pretrained(..., mesh=)`). Typical use:
@@ -20,18 +22,19 @@ Nothing here runs at import time; without a mesh the rest of the library runs un
 
 from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, MeshLike, Rules,
                                                  abstract_with_shardings, activation_sharding, active_mesh,
-                                                 batch_sharding, constrain, leaves_with_axes, logical_to_mesh_spec,
-                                                 mesh_axis_sizes, num_batch_shards, process_batch_shard, replicated,
-                                                 shard_batch, shard_model, shard_state, state_shardings,
-                                                 variable_axes)
+                                                 active_rules, batch_sharding, constrain, leaves_with_axes,
+                                                 logical_to_mesh_spec, mesh_axis_sizes, num_batch_shards,
+                                                 process_batch_shard, replicated, shard_batch, shard_model,
+                                                 shard_state, state_shardings, variable_axes)
 from hackable_diffusion.sharding.memory import (MemoryEstimate, abstract_state, memory_estimate, memory_table,
                                                 per_device_bytes, per_device_param_bytes)
 from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh, maybe_initialize_distributed
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
-    "abstract_with_shardings", "activation_sharding", "active_mesh", "batch_sharding", "constrain", "leaves_with_axes",
-    "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed", "memory_estimate", "memory_table",
-    "mesh_axis_sizes", "num_batch_shards", "per_device_bytes", "per_device_param_bytes", "process_batch_shard",
-    "replicated", "shard_batch", "shard_model", "shard_state", "state_shardings", "variable_axes",
+    "abstract_with_shardings", "activation_sharding", "active_mesh", "active_rules", "batch_sharding", "constrain",
+    "leaves_with_axes", "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed", "memory_estimate",
+    "memory_table", "mesh_axis_sizes", "num_batch_shards", "per_device_bytes", "per_device_param_bytes",
+    "process_batch_shard", "replicated", "shard_batch", "shard_model", "shard_state", "state_shardings",
+    "variable_axes",
 ]

@@ -276,6 +276,12 @@ def active_mesh() -> Mesh | None:
   return None if ctx is None else ctx[0]
 
 
+def active_rules() -> Rules:
+  """The axis rules of the enclosing `activation_sharding` (`LOGICAL_AXIS_RULES` outside one)."""
+  ctx = _ACTIVATIONS.get()
+  return LOGICAL_AXIS_RULES if ctx is None else ctx[1]
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """`with_sharding_constraint(x, logical axes)` under `activation_sharding`; the identity otherwise.
 
@@ -292,7 +298,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "LogicalAxes", "MeshLike", "Rules", "abstract_with_shardings",
-    "activation_sharding", "active_mesh", "batch_sharding", "constrain", "leaves_with_axes", "logical_to_mesh_spec",
-    "mesh_axis_sizes", "num_batch_shards", "process_batch_shard", "replicated", "shard_batch", "shard_model",
-    "shard_state", "state_shardings", "variable_axes",
+    "activation_sharding", "active_mesh", "active_rules", "batch_sharding", "constrain", "leaves_with_axes",
+    "logical_to_mesh_spec", "mesh_axis_sizes", "num_batch_shards", "process_batch_shard", "replicated", "shard_batch",
+    "shard_model", "shard_state", "state_shardings", "variable_axes",
 ]

@@ -144,10 +144,6 @@ def _split_microbatches(batch: SFTBatch, k: int) -> SFTBatch:
   return jax.tree.map(split, batch)
 
 
-def _select(pred: jax.Array, a: Any, b: Any) -> Any:
-  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
-
-
 def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig, param_dtypes: Any = None) -> Callable:
   """`((loss, metrics), grads) = f(params, rest, batch, key)`; `param_dtypes`: `params` is a master copy, cast to
   these dtypes for the model (the gradient is taken through the cast, so it has the master's dtypes)."""
@@ -198,51 +194,55 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                      "tx))")
   grad_fn = make_loss_and_grad(graphdef, loss_config, param_dtypes)
 
-  def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[TrainState, Metrics]:
+  def gradients(state: TrainState, batch: SFTBatch, key: jax.Array) -> tuple[Any, Metrics]:
     if grad_accum_steps == 1:
       (_, metrics), grads = grad_fn(state.params, state.rest, batch, key)
-    else:
-      micro = _split_microbatches(batch, grad_accum_steps)
+      return grads, metrics
+    micro = _split_microbatches(batch, grad_accum_steps)
 
-      def body(carry, xs):
-        i, mb = xs
-        (_, m), g = grad_fn(state.params, state.rest, mb, jax.random.fold_in(key, i))
-        acc_g, acc_m = carry
-        return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m)), None
+    def body(carry, xs):
+      i, mb = xs
+      (_, m), g = grad_fn(state.params, state.rest, mb, jax.random.fold_in(key, i))
+      acc_g, acc_m = carry
+      return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m)), None
 
-      zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-      _, m_shape = jax.eval_shape(grad_fn, state.params, state.rest, jax.tree.map(lambda x: x[0], micro), key)[0]
-      zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
-      (grads, metrics), _ = jax.lax.scan(body, (zeros_g, zeros_m), (jnp.arange(grad_accum_steps), micro))
-      grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
-      metrics = {k: (v if k == "num_tokens" else v / grad_accum_steps) for k, v in metrics.items()}
-    grad_norm = optax.global_norm(grads)
+    zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+    _, m_shape = jax.eval_shape(grad_fn, state.params, state.rest, jax.tree.map(lambda x: x[0], micro), key)[0]
+    zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
+    (grads, metrics), _ = jax.lax.scan(body, (zeros_g, zeros_m), (jnp.arange(grad_accum_steps), micro))
+    grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+    return grads, {k: (v if k == "num_tokens" else v / grad_accum_steps) for k, v in metrics.items()}
+
+  def update(state: TrainState, grads: Any) -> TrainState:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    return TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
+
+  def step(state: TrainState, batch: SFTBatch, key: jax.Array, *healthy: jax.Array) -> tuple[TrainState, Metrics]:
+    if len(healthy) != int(halt_after_non_finite):
+      raise TypeError(f"the train step takes {3 + int(halt_after_non_finite)} arguments (halt_after_non_finite="
+                      f"{halt_after_non_finite}), got {3 + len(healthy)}")
+    grads, metrics = gradients(state, batch, key)
+    grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    new = TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
-    new = _select(finite, new, state)
-    metrics = dict(metrics, grad_norm=grad_norm, finite=finite)
+    ok = jnp.logical_and(healthy[0], finite) if healthy else finite
+    # a branch, not `where(ok, new, old)` over the state: the update then writes the donated parameters and
+    # moments in place (a select keeps the old and the new state alive: ~2 extra copies of the moments)
+    new = jax.lax.cond(ok, update, lambda state, _: state, state, grads)
+    metrics = dict(metrics, grad_norm=grad_norm, finite=ok)
     if lr_schedule is not None:
       metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
     return new, metrics
 
-  def halting_step(state: TrainState, batch: SFTBatch, key: jax.Array,
-                   healthy: jax.Array) -> tuple[TrainState, Metrics]:
-    new, metrics = step(state, batch, key)
-    ok = jnp.logical_and(healthy, metrics["finite"])
-    return _select(ok, new, state), dict(metrics, finite=ok)
-
-  body = halting_step if halt_after_non_finite else step
   donate_argnums = (0,) if donate else ()
   if mesh is None:
-    return jax.jit(body, donate_argnums=donate_argnums) if jit else body
+    return jax.jit(step, donate_argnums=donate_argnums) if jit else step
 
   def sharded_step(state: TrainState, batch: SFTBatch, key: jax.Array, *healthy: jax.Array
                    ) -> tuple[TrainState, Metrics]:
     with activation_sharding(mesh, rules):
       batch = jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), batch)
-      return body(state, batch, key, *healthy)
+      return step(state, batch, key, *healthy)
 
   if not jit:
     return sharded_step

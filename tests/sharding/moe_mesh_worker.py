@@ -214,8 +214,56 @@ def run_attention() -> dict:
   return out
 
 
+def run_local_tokens() -> dict:
+  """The sorting kernels (`tiled`, `ragged`) on meshes with the tokens split like the batch and the expert weights
+  split by their rules (FSDP over `fsdp`, and `tensor` / `expert` where the mesh has them) == `dense_experts` on
+  one device: value and gradients (x, routing weights, gate_up, down). Each device runs its own tokens
+  (`moe.on_local_tokens`): on fsdp=8 the compiled gradient's temporaries are measured against one device's for the
+  same global tokens, and its HLO is read for the per-expert reduce-scatter of the weight gradients."""
+  num_experts, hidden, inter, top_k = 8, 64, 32, 2
+  k = jax.random.split(jax.random.key(5), 5)
+  gate_up = jax.random.normal(k[0], (num_experts, 2 * inter, hidden)) * 0.2
+  down = jax.random.normal(k[1], (num_experts, hidden, inter)) * 0.2
+  out: dict = {}
+  for tokens in (48, 2048):
+    x = jax.random.normal(k[2], (tokens, hidden))
+    weights, idx = routing(tokens, top_k, num_experts, seed=tokens, skewed=False)
+    probe = jax.random.normal(k[3], (tokens, hidden))
+
+    def grads(impl, mesh=None, idx=idx, probe=probe):
+      def loss(x, weights, gate_up, down):
+        if mesh is None:
+          return jnp.sum(jnp.sin(moe.experts_forward(impl, x, weights, idx, gate_up, down)) * probe)
+        with sh.activation_sharding(mesh):
+          return jnp.sum(jnp.sin(moe.experts_forward(impl, x, weights, idx, gate_up, down)) * probe)
+      return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+    ref = jax.jit(grads("dense"))(x, weights, gate_up, down)
+    one_device = jax.jit(grads("tiled")).lower(x, weights, gate_up, down).compile()
+    meshes = {"fsdp8": (1, 8, 1, 1), "data2_fsdp4": (2, 4, 1, 1), "data2_fsdp2_tensor2": (2, 2, 2, 1),
+              "fsdp4_expert2": (1, 4, 1, 2)} if tokens == 48 else {"fsdp8": (1, 8, 1, 1)}
+    for name, shape in meshes.items():
+      mesh = mesh_of(shape)
+      rows = NamedSharding(mesh, sh.logical_to_mesh_spec(("batch", None), mesh=mesh))
+      experts = tuple(NamedSharding(mesh, sh.logical_to_mesh_spec(axes, mesh=mesh)) for axes in moe.EXPERT_WEIGHT_AXES)
+      args = (jax.device_put(x, rows), jax.device_put(weights, rows), jax.device_put(gate_up, experts[0]),
+              jax.device_put(down, experts[1]))
+      for impl in ("tiled", "ragged"):
+        compiled = jax.jit(grads(impl, mesh)).lower(*args).compile()
+        got = compiled(*args)
+        case = {"err": max_err(got, ref), "scale": scale(ref), "grad_gate_up_scale": scale(ref[1][2]),
+                "weights_split": not args[2].sharding.is_fully_replicated}
+        if tokens == 2048 and impl == "tiled":
+          case.update(temporaries=compiled.memory_analysis().temp_size_in_bytes,
+                      one_device_temporaries=one_device.memory_analysis().temp_size_in_bytes,
+                      reduce_scatter="reduce-scatter" in compiled.as_text())
+        out[f"{impl}/{name}/T{tokens}"] = case
+  return out
+
+
 if __name__ == "__main__":
   result = {"devices": jax.device_count(), "functions": run_functions(), "model": run_model(),
-            "attention": run_attention(), "qlora": run_qlora()}
+            "attention": run_attention(), "qlora": run_qlora(),
+            "local_tokens": run_local_tokens()}
   with open(sys.argv[1], "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)

@@ -11,6 +11,8 @@ JSON; the assertions live here:
   parameter gradient.
 - QLoRA (fp8, packed int4 and nvfp4 base) with its quantized values and scales in their shards == one device: loss and
   adapter gradients.
+- `tiled` / `ragged` on meshes that split the tokens (`moe.on_local_tokens`: each device sorts and runs its own
+  tokens; weights gathered per expert / per layer) == one device, and a fraction of one device's temporaries.
 - Banded sliding-window encoder attention with the batch split over data x fsdp and the heads over tensor ==
   one device (left padding, per-row start offsets).
 Tolerance: `max |got - want| <= 1e-5 * max(1, max |want|)` (sums in another order).
@@ -91,3 +93,19 @@ def test_quantized_base_on_a_mesh_equals_one_device(results, case):
   assert m["grads_err"] <= 2e-3 * m["grads_scale"], m
   assert m["grads_scale"] > 1e-3  # gradients are compared, not zeros
   assert m["quantized_split"] >= m["quantized_vars"] // 2, m  # most quantized arrays are really split
+
+
+def test_sorting_kernels_run_each_devices_own_tokens(results):
+  """`tiled` / `ragged` with the tokens split like the batch and the expert weights by their rules (fsdp, data x
+  fsdp, tensor, expert) == the dense kernel on one device, value and gradients; on fsdp=8 each device's compiled
+  gradient keeps a fraction of one device's temporaries for the same 2,048 tokens (before `moe.on_local_tokens`
+  the partitioner replicated the global sort: every device routed every token, as much as one device) and the
+  weight gradients leave reduce-scattered."""
+  cases = results["local_tokens"]
+  assert len(cases) == 10
+  for name, c in cases.items():
+    assert close(c["err"], c["scale"]), (name, c)
+    assert c["grad_gate_up_scale"] > 1.0 and c["weights_split"], (name, c)
+  big = cases["tiled/fsdp8/T2048"]
+  assert big["temporaries"] < 0.4 * big["one_device_temporaries"], big
+  assert big["reduce_scatter"], big

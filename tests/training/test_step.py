@@ -120,3 +120,27 @@ def test_mesh_and_shardings_go_together(stepper):
     make_train_step(graphdef, tx, LossConfig(), mesh=make_mesh())
   with pytest.raises(ValueError, match=r"shardings=\.\.\. needs mesh"):
     make_train_step(graphdef, tx, LossConfig(), shardings=state)
+
+
+def test_the_update_writes_the_donated_state_in_place():
+  """The non-finite guard is a branch (`lax.cond`), not `where(finite, new, old)` over the state: compiled with the
+  state donated, a weight-heavy model's step keeps about one gradient's worth of temporaries beyond the state
+  (2.00x the parameter bytes here; the select kept the old and new moments apart: 2.53x)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: PLC0415
+  from hackable_diffusion.training.step import abstract_train_state  # noqa: PLC0415
+
+  cfg = get_preset("tiny", hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_experts=8,
+                   vocab_size=4096)
+  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: DiffusionGemma(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  tx, _ = make_optimizer(OptimizerConfig())
+  b, shape = 2, jax.ShapeDtypeStruct
+  batch = SFTBatch(prompt_ids=shape((b, 8), jnp.int32), prompt_mask=shape((b, 8), bool),
+                   completion_ids=shape((b, cfg.canvas_length), jnp.int32),
+                   completion_mask=shape((b, cfg.canvas_length), bool))
+  step = make_train_step(graphdef, tx, LossConfig(), jit=False)
+  compiled = jax.jit(step, donate_argnums=0).lower(abstract_train_state(params, rest, tx), batch,
+                                                   shape((), jax.random.key(0).dtype)).compile()
+  param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * param_bytes
