@@ -60,11 +60,6 @@ def tile_layout(idx: Array, num_experts: int, tile: int) -> TileLayout:
   return TileLayout(dest, token_of_row, first_tile, num_tiles)
 
 
-def dense_pair(w: tuple[Array, Array]) -> tuple[Array, Array]:
-  """The per-expert `decode` of dense weights: (gate_up [2I, H], down [H, I]) as they are."""
-  return w
-
-
 @dataclasses.dataclass(frozen=True)
 class ExpertSplit:
   """How each device holds the expert weights inside `jax.shard_map` (`moe.on_local_tokens`): per weight (gate_up,
