@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 from hackable_diffusion.model import layers
 from hackable_diffusion.model.moe_tiled import ExpertSplit, tiled_experts
 from hackable_diffusion.sharding.local import gather_whole, row_axes, spec_axes, weight_spec
-from hackable_diffusion.sharding.logical import active_mesh, logical_to_mesh_spec
+from hackable_diffusion.sharding.logical import active_mesh, active_rules, logical_to_mesh_spec
 
 Array = jax.Array
 _LOG = logging.getLogger(__name__)
@@ -240,6 +240,7 @@ def local_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Ar
 
 
 EXPERT_WEIGHT_AXES = (("expert", "mlp", "embed"), ("expert", "embed", "mlp"))  # gate_up [E, 2I, H], down [E, H, I]
+EXPERT_WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 
 
 def on_local_tokens(kernel: Callable, x: Array, weights: Array, idx: Array, experts: tuple[Array, ...],
@@ -267,8 +268,8 @@ def on_local_tokens(kernel: Callable, x: Array, weights: Array, idx: Array, expe
     # each gather waits for the layer's input (else XLA may hoist every layer's gathers to the start)
     experts = tuple(jax.lax.optimization_barrier((w, x))[0] for w in experts)
     # per expert: an expert's matrix is split from dimension 1 on ([E, ...] minus the expert axis)
-    gathered = [gather_whole(w, spec, axes, keep_from_dim=1 if per_expert else None)
-                for w, spec in zip(experts, specs)]
+    gathered = [gather_whole(w, spec, axes, keep_from_dim=1 if per_expert else None, name=name)
+                for w, spec, name in zip(experts, specs, EXPERT_WEIGHT_NAMES)]
     frozen = jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), frozen)
     more = {}
     if per_expert:
@@ -295,7 +296,7 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
   n, num_experts = int(dict(mesh.shape)[axis]), gate_up.shape[0]
   if num_experts % n:
     raise ValueError(f"expert_parallel: {num_experts} experts do not split over mesh axis {axis!r} of size {n}")
-  token_spec = logical_to_mesh_spec(("batch", None), mesh=mesh, shape=x.shape)  # [T, ...] like the batch
+  token_spec = logical_to_mesh_spec(("batch", None), rules=active_rules(), mesh=mesh, shape=x.shape)  # like the batch
   token_axes = spec_axes(token_spec[0] if len(token_spec) else None)
   gathered = axis in token_axes  # tokens split over `axis` too: gather them, scatter the sums back
   other_axes = tuple(a for a in token_axes if a != axis)  # tokens differ along these; weights do not

@@ -47,21 +47,22 @@ def weight_spec(w: Array, axes: Sequence[str | None]) -> PartitionSpec:
   return logical_to_mesh_spec(tuple(axes), rules=active_rules(), mesh=active_mesh(), shape=w.shape)
 
 
-def gather_whole(w: Array, spec: PartitionSpec, axes: tuple[str, ...], *,
-                 keep_from_dim: int | None = None) -> tuple[Array, tuple[tuple[str, ...], int] | None]:
+def gather_whole(w: Array, spec: PartitionSpec, axes: tuple[str, ...], *, keep_from_dim: int | None = None,
+                 name: str = "weight") -> tuple[Array, tuple[tuple[str, ...], int] | None]:
   """Inside `jax.shard_map`: `w`, entered split by `spec`, gathered whole on every device (see the module
   docstring; `axes`: the mesh axes that split the rows) -> (w, None).
 
   `keep_from_dim`: the first dimension >= it that the row axes split stays split -> (w, (those mesh axes, that
-  dimension)), for a caller that gathers it piece by piece (the MoE kernel, one expert at a time).
+  dimension)), for a caller that gathers it piece by piece (the MoE kernel, one expert at a time). `name`: what
+  the error for a split it cannot gather calls `w`.
   """
   kept = None
   for dim, entry in enumerate(spec):
     mesh_axes = spec_axes(entry)
     over_rows = tuple(a for a in mesh_axes if a in axes)
     if over_rows and over_rows != mesh_axes:
-      raise ValueError(f"a weight's dimension {dim} is split over mesh axes {mesh_axes}, some of which ({over_rows}) "
-                       "split the batch too; give it either only batch axes or none (sharding rules)")
+      raise ValueError(f"{name} {tuple(w.shape)}: dimension {dim} is split over mesh axes {mesh_axes}, some of which "
+                       f"({over_rows}) split the batch too; give it either only batch axes or none (sharding rules)")
     if over_rows and keep_from_dim is not None and dim >= keep_from_dim and kept is None:
       kept = (mesh_axes, dim)
     elif mesh_axes:

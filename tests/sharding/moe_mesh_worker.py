@@ -18,6 +18,7 @@ os.environ["XLA_FLAGS"] = " ".join([
     "--xla_cpu_use_fusion_emitters=false",
 ])
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402
@@ -258,7 +259,38 @@ def run_local_tokens() -> dict:
                       one_device_temporaries=one_device.memory_analysis().temp_size_in_bytes,
                       reduce_scatter="reduce-scatter" in compiled.as_text())
         out[f"{impl}/{name}/T{tokens}"] = case
+  out["tiled/fsdp8/weights"] = per_expert_gathers()
   return out
+
+
+def per_expert_gathers() -> dict:
+  """Weight-heavy experts (gate_up + down: 6 MiB whole) on few tokens, fsdp=8: the compiled `tiled` gradient's
+  temporaries against the experts' whole bytes. Gathered one expert at a time, a device never holds a layer's whole
+  weights or gradients (gathered per layer: 17 MiB of temporaries); values and gradients == `dense_experts`."""
+  num_experts, hidden, inter, tokens, top_k = 8, 256, 256, 64, 2
+  k = jax.random.split(jax.random.key(6), 4)
+  gate_up = jax.random.normal(k[0], (num_experts, 2 * inter, hidden)) * 0.1
+  down = jax.random.normal(k[1], (num_experts, hidden, inter)) * 0.1
+  x = jax.random.normal(k[2], (tokens, hidden))
+  weights, idx = routing(tokens, top_k, num_experts, seed=7, skewed=False)
+
+  def grads(impl, mesh=None):
+    def loss(x, weights, gate_up, down):
+      with sh.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext():
+        return jnp.sum(jnp.sin(moe.experts_forward(impl, x, weights, idx, gate_up, down)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+  ref = jax.jit(grads("dense"))(x, weights, gate_up, down)
+  mesh = mesh_of((1, 8, 1, 1))
+  rows = NamedSharding(mesh, sh.logical_to_mesh_spec(("batch", None), mesh=mesh))
+  experts = tuple(NamedSharding(mesh, sh.logical_to_mesh_spec(axes, mesh=mesh)) for axes in moe.EXPERT_WEIGHT_AXES)
+  args = (jax.device_put(x, rows), jax.device_put(weights, rows), jax.device_put(gate_up, experts[0]),
+          jax.device_put(down, experts[1]))
+  compiled = jax.jit(grads("tiled", mesh)).lower(*args).compile()
+  return {"err": max_err(compiled(*args), ref), "scale": scale(ref), "grad_gate_up_scale": scale(ref[1][2]),
+          "weights_split": not args[2].sharding.is_fully_replicated,
+          "temporaries": compiled.memory_analysis().temp_size_in_bytes,
+          "whole_expert_bytes": (gate_up.size + down.size) * gate_up.dtype.itemsize}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ def test_spec_axes_reads_every_entry_form():
 
 
 def test_rows_are_not_split_outside_a_mesh_or_on_one_device():
+  # (the split itself, on 8 devices: test_moe_mesh.py, whose temporaries check fails if rows are never split)
   assert local.row_axes(8) == ()
   with logical.activation_sharding(make_mesh(MeshConfig())):
     assert local.row_axes(8) == ()  # size-1 mesh axes split nothing
@@ -34,5 +35,6 @@ def test_the_active_rules_are_the_ones_entered():
 def test_a_dimension_split_over_batch_and_other_axes_is_refused():
   # dimension 1 over fsdp (a batch axis) and tensor (not one): neither gather is right for it; the check runs
   # before any collective
-  with pytest.raises(ValueError, match=r"dimension 1 is split over mesh axes \('fsdp', 'tensor'\)"):
-    local.gather_whole(jnp.ones((4, 4)), P(None, ("fsdp", "tensor")), ("data", "fsdp"))
+  with pytest.raises(ValueError, match=r"^down_proj \(4, 4\): dimension 1 is split over mesh axes "
+                     r"\('fsdp', 'tensor'\)"):
+    local.gather_whole(jnp.ones((4, 4)), P(None, ("fsdp", "tensor")), ("data", "fsdp"), name="down_proj")
