@@ -11,6 +11,7 @@ Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusio
   a  LoRA, one device, batch 8 (in one pass, and as 4 micro-batches of 2: the recipe), remat 'nothing_saveable',
      vocabulary-tiled loss
   b  full fine-tuning, fp32 master weights + fp32 Adam moments, 8 devices (fsdp=8), batch 8 per device
+  b16 case b compiled in bf16 as it runs (the fp32 master in the state, the step's casts): a cross-check of b
   c  one sampler step (decode with the self-conditioning input, sample/argmax/entropy/softmax in two passes, accept,
      renoise, the next self-conditioning input), batch 8 and 64
   d  case a at batch 1 with remat off and the loss untiled, then with each turned on: what each saves (tiles of 32
@@ -28,7 +29,8 @@ or TPU has none). So each case is compiled with fp32 parameters and fp32 compute
 reported as: arguments with every parameter at its bf16 size (LoRA adapters, master weights and Adam moments stay
 fp32), temporaries as compiled in fp32. Every activation is then twice its bf16 size, so the temporaries are an
 upper bound on what bf16 compute needs (fp32 parts - softmax, norms, router, logits, loss - are fp32 either way).
-Case b adds the bf16 compute copy of the (sharded) parameters that the master-weights step makes. The QLoRA cases
+Case b adds the bf16 compute copy of the (sharded) parameters that the master-weights step makes (with scanned
+layers, the other parameters and one period of layers: the step casts each layer inside the scan). The QLoRA cases
 keep the quantized values and scales as they are (fp8 / int4 / bf16 scales in the compile too; fp32 FP8 scales) and
 count the rest of the frozen base (embedding, norms, router) at bf16; their dequantized weights are fp32 temporaries,
 twice a GPU's bf16 ones.
@@ -65,14 +67,15 @@ from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
 from hackable_diffusion.sampling.denoise import self_conditioning_embeddings  # noqa: E402
 from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh  # noqa: E402
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
-from hackable_diffusion.training.step import abstract_train_state, make_train_step, train_state_shardings  # noqa: E402
+from hackable_diffusion.training.step import (abstract_train_state, make_train_step, master_params,  # noqa: E402
+                                              train_state_shardings)
 
 GIB = 2**30
 UNIT = (GIB, "GiB")  # (bytes, name) of the printed numbers; --smoke prints MiB
 PRESET = "diffusion_gemma_26b_a4b"
 PROMPT, CANVAS = 256, 256
 SMOKE = False  # --smoke: the same cases on a 30-layer model of hidden 32 (tests/test_benchmark_scripts.py)
-CASES = ("a", "b", "b2", "c", "d", "q8", "q4", "q8p", "q4p", "qn")
+CASES = ("a", "b", "b2", "b16", "c", "d", "q8", "q4", "q8p", "q4p", "qn")
 LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
@@ -197,14 +200,34 @@ def case_q(mode: str, batch: int, accum: int) -> list[dict]:
               f"{LAYERS or 'all'}-layer compile's arguments; compiled in {time.time() - t:.0f} s")]
 
 
-def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] = (1, 4)) -> list[dict]:
-  cfg = model_config("nothing_saveable")
+def _case_b_state(cfg, devices: int, master: bool):
+  """(graphdef, params as the model stores them, state, shardings, mesh, tx) of case b; `master`: the state's
+  params are an fp32 master copy of `params` (what `optimizer.master_weights` keeps)."""
   graphdef, params, rest = nnx.split(abstract_model(cfg, lora=False), nnx.Param, ...)
+  state_params = master_params(params) if master else params
   tx, _ = make_optimizer(OptimizerConfig())
   mesh = make_mesh(MeshConfig(fsdp=devices))
-  shardings = train_state_shardings(mesh, params, rest, tx)
-  state = abstract_train_state(params, rest, tx)
+  shardings = train_state_shardings(mesh, state_params, rest, tx)
+  state = abstract_train_state(state_params, rest, tx)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  return graphdef, params, state, shardings, mesh, tx
+
+
+def compute_copy_bytes(params, devices: int) -> int:
+  """Bytes per device of the bf16 compute copy that a master-weights step makes of `params` (sharded like them):
+  scanned layers (remat 'nothing_saveable') are cast one layer at a time inside the scan
+  (`training.step.compute_model`), so only the other parameters plus one period of layers exist in bf16 at once;
+  unrolled, all of them."""
+  if not SCAN:
+    return nbytes(params) // 2 // devices
+  layers = nbytes(params["layers"])
+  groups = jax.tree.leaves(params["layers"])[0].shape[0]  # stacked: [groups, ...]
+  return (nbytes(params) - layers + layers // groups) // 2 // devices
+
+
+def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] = (1, 4)) -> list[dict]:
+  cfg = model_config("nothing_saveable")
+  graphdef, params, state, shardings, mesh, tx = _case_b_state(cfg, devices, master=False)
   rows = []
   for accum in accums:
     t = time.time()
@@ -214,12 +237,26 @@ def case_b(per_device_batch: int = 8, devices: int = 8, accums: tuple[int, ...] 
     a = analysis(jax.jit(step, donate_argnums=0).lower(state, batch, KEY).compile())
     # fp32 params = the master; moments fp32: the arguments are what the master-weights state holds. The step's
     # bf16 compute copy of the parameters (sharded like them) is added.
-    compute_copy = nbytes(params) // 2 // devices
     how = "one pass" if accum == 1 else f"{accum} micro-batches"
     rows.append(row(f"b: full FT, fp32 master + Adam, fsdp={devices}, batch {per_device_batch}/device, {how}",
-                    a["arguments"], a["temporaries"], compute_copy,
+                    a["arguments"], a["temporaries"], compute_copy_bytes(params, devices),
                     note=f"per device, + the bf16 compute copy of the params; compiled in {time.time() - t:.0f} s"))
   return rows
+
+
+def case_b16(per_device_batch: int = 8, devices: int = 8) -> list[dict]:
+  """Case b compiled as it runs: a bf16 model, the fp32 master in the state, the step casting it
+  (`param_dtypes`). The temporaries include XLA:CPU's f32 copies of bf16 dot operands (none on a GPU): an upper
+  bound from the other side, with activations at their bf16 size."""
+  cfg = model_config("nothing_saveable", dtype="bfloat16")
+  graphdef, params, state, shardings, mesh, tx = _case_b_state(cfg, devices, master=True)
+  t = time.time()
+  step = make_train_step(graphdef, tx, LossConfig(), jit=False, mesh=mesh, shardings=shardings, param_dtypes=params)
+  a = analysis(jax.jit(step, donate_argnums=0).lower(state, batch_shapes(per_device_batch * devices), KEY).compile())
+  return [row(f"b16: case b compiled in bf16 (fp32 master, the step's own casts), batch {per_device_batch}/device",
+              a["arguments"], a["temporaries"],
+              note=f"per device; temporaries include CPU-only f32 copies of bf16 dot operands; compiled in "
+                   f"{time.time() - t:.0f} s")]
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
@@ -285,7 +322,8 @@ def validate() -> None:
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cases", default=",".join(CASES),
-                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),c,d,q8,q4,q8p,q4p")
+                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),b16 (case b compiled in bf16),"
+                      "c,d,q8,q4,q8p,q4p,qn")
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",
@@ -308,7 +346,8 @@ def main(argv: list[str]) -> None:
     return
   u = UNIT[1]
   print(f"\n| case | arguments {u} | temporaries {u} | added {u} | total {u} | note |\n|---|---|---|---|---|---|")
-  runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))), ("c", case_c, (8,)), ("c", case_c, (64,)),
+  runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))),
+          ("b16", case_b16, ()), ("c", case_c, (8,)), ("c", case_c, (64,)),
           ("d", case_d, ()), ("q8", case_q, ("fp8", 8, 4)), ("q4", case_q, ("int4", 4, 2)),
           ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1)), ("qn", case_q, ("nvfp4", 4, 2))]
   for name, case, case_args in runs:

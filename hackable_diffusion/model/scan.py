@@ -11,6 +11,10 @@ PEFT and merged export and the name tables all see it. A run stacks its model af
 Stacked variables keep their sharding metadata with a leading replicated axis (`None`), so the logical-axis rules
 shard them as before.
 
+A master-weights step (`training.step`, fp32 master, bf16 compute) casts the stacked layers one layer at a time
+inside the scan (`cast_layers_at_use`) instead of all at once before it: the compute copy of the layers never exists
+whole (the 26B-A4B on fsdp=8: 5.9 GiB per device), and their gradients leave the scan already in the master's dtype.
+
 A scanned model's KV cache is stacked the same way (`KVCache.groups`: `keys[j]` is `[groups, B, S, ...]`, made by
 `init_cache`), so the scan reads and writes its slices in place: no copy of the cache per pass.
 """
@@ -56,6 +60,8 @@ class ScannedLayers(nnx.Module):
     self.groups = groups
     # per layer: its LoRA adapters' dropout indices (static; restored by `unstack_layers`)
     self.adapter_indices = tuple(tuple(sorted(d.items())) for d in adapter_indices) or ((),) * (period * groups)
+    # per block: ((path of a variable's array in the block's state, dtype name), ...) cast inside the scan
+    self.cast_at_use: tuple[tuple[tuple[str, str], ...], ...] = ((),) * period
 
   def __len__(self) -> int:
     return self.period * self.groups
@@ -72,16 +78,46 @@ class ScannedLayers(nnx.Module):
     if len(per_block) != p:
       raise ValueError(f"ScannedLayers.run: {len(per_block)} per-block inputs for a period of {p} layers")
     graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
+    casts = [dict(c) for c in self.cast_at_use]
 
     def body(carry, xs):
       group_states, group_inputs = xs
       outs = []
       for j in range(p):
-        carry, out = fn(nnx.merge(graphdefs[j], group_states[j]), carry, group_inputs[j])
+        if casts[j]:  # the cast inside a checkpoint: the backward pass recasts the master, saves no bf16 copy
+          call = jax.checkpoint(lambda st, c, i, j=j: fn(nnx.merge(graphdefs[j], _cast_paths(st, casts[j])), c, i))
+          carry, out = call(group_states[j], carry, group_inputs[j])
+        else:
+          carry, out = fn(nnx.merge(graphdefs[j], group_states[j]), carry, group_inputs[j])
         outs.append(out)
       return carry, outs
 
     return jax.lax.scan(body, x, (list(states), list(per_block)))
+
+
+def _cast_paths(state: Any, dtypes: dict[str, str]) -> Any:
+  """`state` with the arrays at the paths in `dtypes` (`jax.tree_util.keystr` of their path) cast to that dtype."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x.astype(dtypes[jax.tree_util.keystr(path)]) if jax.tree_util.keystr(path) in dtypes else x,
+      state)
+
+
+def cast_layers_at_use(model: nnx.Module, dtypes: dict[int, dict[str, str]]) -> nnx.Module:
+  """Makes the scanned layers of `model` cast their variables one layer at a time inside the scan, in place.
+
+  dtypes: `{block j: {keystr of a path in block j's state: dtype name}}` (paths as `nnx.split(block)` gives them,
+  i.e. a trainable variable's path in the model minus its leading `('layers', 'blocks', j)`). For a traced model
+  (inside a step): the scan then reads the stacked master arrays and casts each layer's slice where it is used.
+  """
+  layers = model.layers
+  if not isinstance(layers, ScannedLayers):
+    raise ValueError("cast_layers_at_use: the model's layers are not stacked (scan.stack_layers)")
+  bad = sorted(set(dtypes) - set(range(layers.period)))
+  if bad:
+    raise ValueError(f"cast_layers_at_use: blocks {bad} do not exist (the layer period is {layers.period})")
+  layers.cast_at_use = tuple(tuple(sorted((path, str(jnp.dtype(d))) for path, d in dtypes.get(j, {}).items()))
+                             for j in range(layers.period))
+  return model
 
 
 def _unused_indices(layer: nnx.Module) -> dict[tuple, int]:
@@ -184,4 +220,4 @@ def is_scanned(model: Any) -> bool:
   return isinstance(getattr(model, "layers", None), ScannedLayers)
 
 
-__all__ = ["ScannedLayers", "is_scanned", "layer_period", "stack_layers", "unstack_layers"]
+__all__ = ["ScannedLayers", "cast_layers_at_use", "is_scanned", "layer_period", "stack_layers", "unstack_layers"]

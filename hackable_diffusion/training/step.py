@@ -13,8 +13,8 @@ On a device mesh (`hackable_diffusion.sharding`) the same step is jitted with ex
 Master weights (mixed precision for full fine-tuning of a bfloat16 model): `init_train_state(..., master_dtype=
 'float32')` keeps the trainable variables in the state as a float32 copy (`master_params`) and creates the optimizer
 state from it, so Adam's moments are float32; `make_train_step(..., param_dtypes=model_params)` casts that copy to
-the dtypes the model stores (`cast_params`, bfloat16) for the forward/backward and applies the update to the
-float32 copy. The gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in
+the dtypes the model stores (`compute_model`, bfloat16) for the forward/backward and applies the update to the
+float32 copy (scanned layers with remat 'nothing_saveable' are cast one layer at a time inside their scan). The gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in
 float32 with the bfloat16 backward pass's values (rounded to bfloat16 they are bit-identical; XLA may keep a last
 operation's float32 result), and gradient accumulation, clipping and Adam run in float32; an update smaller than
 half a bfloat16 unit in the last place accumulates in the master instead of being rounded away.
@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
 from hackable_diffusion.lora import adapters as lora_adapters
+from hackable_diffusion.model import scan
 from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, Rules, activation_sharding, batch_sharding,
                                                  constrain, replicated, state_shardings)
 
@@ -87,6 +88,43 @@ def cast_params(params: Any, param_dtypes: Any) -> Any:
   if len(leaves) != len(dtypes):
     raise ValueError(f"param_dtypes has {len(dtypes)} leaves, the trainable variables {len(leaves)}")
   return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, dtypes)])
+
+
+def _scanned_block(path: tuple) -> tuple[int, str] | None:
+  """(block j, keystr of the path inside the block) of a variable of stacked layers (`('layers', 'blocks', j,
+  ...)`, see `model.scan`); None for any other path."""
+  keys = [getattr(k, "key", None) for k in path[:3]]
+  if len(path) > 3 and keys[:2] == ["layers", "blocks"] and isinstance(keys[2], int):
+    return keys[2], jax.tree_util.keystr(tuple(path[3:]))
+  return None
+
+
+def compute_model(graphdef: nnx.GraphDef, params: Any, rest: Any, param_dtypes: Any = None) -> nnx.Module:
+  """The model to run in a step: `params` (a master copy when `param_dtypes` is given) cast to `param_dtypes`.
+
+  Stacked layers (`ModelConfig.scan_layers`, with remat 'nothing_saveable') are cast one layer at a time inside
+  their scan (`scan.cast_layers_at_use`), the rest here: the compute copy of the layers never exists whole, and their
+  gradients leave the scan in the master's dtype. Without `param_dtypes`: `nnx.merge(graphdef, params, rest)`.
+  """
+  dtypes = _dtypes(param_dtypes)
+  if dtypes is None:
+    return nnx.merge(graphdef, params, rest)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  if len(flat) != len(dtypes):
+    raise ValueError(f"param_dtypes has {len(dtypes)} leaves, the trainable variables {len(flat)}")
+  model = nnx.merge(graphdef, params, rest)
+  # the per-layer cast is recomputed in the backward pass, as the layer is with 'nothing_saveable'
+  scanned = scan.is_scanned(model) and getattr(model.config, "remat", None) == "nothing_saveable"
+  leaves, deferred = [], {}
+  for (path, x), d in zip(flat, dtypes):
+    where = _scanned_block(path) if scanned and x.dtype != d else None
+    if where is None:
+      leaves.append(x.astype(d))
+    else:
+      deferred.setdefault(where[0], {})[where[1]] = d
+      leaves.append(x)
+  model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), rest)
+  return scan.cast_layers_at_use(model, deferred) if deferred else model
 
 
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, trainable: Any = nnx.Param,
@@ -150,11 +188,9 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig, param_dt
   dtypes = _dtypes(param_dtypes)
 
   def loss_fn(params, rest, batch, key):
-    params = cast_params(params, dtypes)
     # LoRA dropout draws from a key carried in the state (a no-op for models without dropout adapters).
     rest = lora_adapters.set_dropout_key(rest, jax.random.fold_in(key, 0x10A))
-    model = nnx.merge(graphdef, params, rest)
-    return diffusion_loss(model, batch, key, loss_config)
+    return diffusion_loss(compute_model(graphdef, params, rest, dtypes), batch, key, loss_config)
 
   return jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -259,12 +295,11 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig,
   dtypes = _dtypes(param_dtypes)
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array) -> Metrics:
-    model = state_to_model(graphdef, state, dtypes)
-    return diffusion_loss(model, batch, key, loss_config)[1]
+    return diffusion_loss(compute_model(graphdef, state.params, state.rest, dtypes), batch, key, loss_config)[1]
 
   return jax.jit(step)
 
 
-__all__ = ["Metrics", "TrainState", "abstract_train_state", "cast_params", "init_train_state",
+__all__ = ["Metrics", "TrainState", "abstract_train_state", "cast_params", "compute_model", "init_train_state",
            "init_train_state_sharded", "make_eval_step", "make_loss_and_grad", "make_train_step", "master_params",
            "state_to_model", "train_state_shardings"]

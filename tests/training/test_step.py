@@ -144,3 +144,38 @@ def test_the_update_writes_the_donated_state_in_place():
                                                    shape((), jax.random.key(0).dtype)).compile()
   param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
   assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * param_bytes
+
+
+def test_master_weights_cast_each_scanned_layer_where_it_is_used():
+  """With fp32 master weights and scanned layers (remat 'nothing_saveable'), each layer's slice of the master is
+  cast to bf16 inside the scan: loss and gradients equal casting the whole master before the model (as
+  `cast_params` does), and the compiled function carries the fp32 master into its loops with no bf16 copy of the
+  stacked layers anywhere (casting the whole master first makes one: `bf16[groups, ...]` arrays)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from hackable_diffusion.diffusion.loss import diffusion_loss  # noqa: PLC0415
+  from hackable_diffusion.model import scan  # noqa: PLC0415
+  from hackable_diffusion.training.step import cast_params, make_loss_and_grad, master_params  # noqa: PLC0415
+
+  cfg = get_preset("tiny", num_hidden_layers=4, layer_types=("sliding_attention", "full_attention") * 2,
+                   dtype="bfloat16", param_dtype="bfloat16", remat="nothing_saveable")
+  graphdef, params, rest = nnx.split(scan.stack_layers(init_model(cfg, 0)), nnx.Param, ...)
+  master, batch, key, loss_config = master_params(params), _batch(), jax.random.key(3), LossConfig()
+
+  def whole_cast(p):
+    return diffusion_loss(nnx.merge(graphdef, cast_params(p, params), rest), batch, key, loss_config)[0]
+
+  ref_loss, ref = jax.jit(jax.value_and_grad(whole_cast))(master)
+  per_layer = jax.jit(make_loss_and_grad(graphdef, loss_config, params))
+  (loss, _), grads = per_layer(master, rest, batch, key)
+  assert float(loss) == float(ref_loss)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6 * float(jnp.abs(want).max()))
+
+  hlo = per_layer.lower(master, rest, batch, key).compile().as_text()
+  stacked = {tuple(x.shape) for x in jax.tree.leaves(params["layers"]) if x.ndim >= 3}
+  assert stacked and any(f"f32[{','.join(map(str, s))}]" in hlo for s in stacked)  # the master enters the scan
+  for shape in stacked:
+    assert f"bf16[{','.join(map(str, shape))}]" not in hlo, shape
