@@ -35,7 +35,7 @@ from hackable_diffusion import specs
 from hackable_diffusion.data.sft import SFTBatch, num_valid_canvases
 from hackable_diffusion.diffusion import corruption
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.model import head
+from hackable_diffusion.model import head, head_parallel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,7 +201,7 @@ class TiledLogits:
     for seen, out in self._memo:
       if seen is targets:
         return out
-    out = head.cross_entropy(self.hidden, self.embed, targets, self.spec)
+    out = head_parallel.cross_entropy(self.hidden, self.embed, targets, self.spec)
     self._memo.append((targets, out))
     return out
 
@@ -332,7 +332,7 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     if ar_spec.tile >= width:
       ar_ce = cross_entropy(model.lm_logits(ar_hidden), batch.completion_ids)
     else:
-      ar_ce = head.cross_entropy(ar_hidden, model.embed_tokens[...], batch.completion_ids, ar_spec)[0]
+      ar_ce = head_parallel.cross_entropy(ar_hidden, model.embed_tokens[...], batch.completion_ids, ar_spec)[0]
     ar_loss = masked_mean(ar_ce, batch.completion_mask)
   else:
     ar_loss = jnp.zeros((), jnp.float32)
@@ -355,7 +355,7 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     embed = model.embed_tokens[...]
     soft = None
     if config.self_conditioning_prob > 0:
-      soft = head.soft_embeddings(model.decode_hidden(noise.noisy, dec_cache), embed, spec)
+      soft = head_parallel.soft_embeddings(model.decode_hidden(noise.noisy, dec_cache), embed, spec)
     tiled = TiledLogits(model.decode_hidden(noise.noisy, dec_cache, soft, noise.use_sc), embed, spec)
     term = config.term
     diff_loss = term.tiled(tiled, noise, schedule) if hasattr(term, "tiled") else term(tiled.materialize(), noise,

@@ -11,6 +11,9 @@ per use (softmax, one-hot, their difference). Here a `[B, L, H]` hidden state is
   inside a scan, so autodiff also recomputes tile by tile;
 - `soft_embeddings`: `softmax(logits) @ E` (the self-conditioning input), no gradient.
 
+On a mesh that splits the batch the loss runs `cross_entropy` and `soft_embeddings` split by vocabulary instead
+(`model.head_parallel`), so no device holds the whole embedding or its gradient.
+
 Callers use the plain computation when one tile covers L (`DiffusionGemma.head_spec`; the Sudoku default), so
 small-vocabulary runs are unchanged bit for bit.
 """
@@ -55,7 +58,7 @@ def logits(hidden: Array, embed: Array, spec: HeadSpec) -> Array:
   return out if spec.softcap is None else jnp.tanh(out / spec.softcap) * spec.softcap
 
 
-def _tiles(x: Array, tile: int) -> Array:
+def tiles(x: Array, tile: int) -> Array:
   """x [B, L, ...] -> [n, B, tile, ...] (L padded with zeros to a multiple of `tile`)."""
   b, length = x.shape[:2]
   n = -(-length // tile)
@@ -65,7 +68,7 @@ def _tiles(x: Array, tile: int) -> Array:
   return jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)
 
 
-def _untile(x: Array, length: int) -> Array:
+def untile(x: Array, length: int) -> Array:
   """[n, B, tile, ...] -> [B, L, ...]."""
   n, b, tile = x.shape[:3]
   return jnp.moveaxis(x, 0, 1).reshape(b, n * tile, *x.shape[3:])[:, :length]
@@ -97,8 +100,8 @@ def _cross_entropy(hidden: Array, embed: Array, targets: Array, spec: HeadSpec) 
     ce, pred, _, _ = _ce_tile(xs[0], embed, xs[1], spec)
     return None, (ce, pred)
 
-  _, (ce, pred) = jax.lax.scan(body, None, (_tiles(hidden, spec.tile), _tiles(targets, spec.tile)))
-  return _untile(ce, length), _untile(pred, length)
+  _, (ce, pred) = jax.lax.scan(body, None, (tiles(hidden, spec.tile), tiles(targets, spec.tile)))
+  return untile(ce, length), untile(pred, length)
 
 
 def _cross_entropy_fwd(hidden: Array, embed: Array, targets: Array, spec: HeadSpec):
@@ -125,8 +128,8 @@ def _cross_entropy_bwd(spec: HeadSpec, residuals, cotangents):
     return d_embed, d_h
 
   d_embed, d_h = jax.lax.scan(body, jnp.zeros(embed.shape, jnp.float32),
-                              (_tiles(hidden, spec.tile), _tiles(targets, spec.tile), _tiles(g_ce, spec.tile)))
-  return _untile(d_h, length), d_embed.astype(embed.dtype), None
+                              (tiles(hidden, spec.tile), tiles(targets, spec.tile), tiles(g_ce, spec.tile)))
+  return untile(d_h, length), d_embed.astype(embed.dtype), None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -147,8 +150,8 @@ def positionwise(fn: Callable[..., Array], hidden: Array, embed: Array, spec: He
   def body(_, xs):
     return None, one(*xs)
 
-  _, out = jax.lax.scan(body, None, tuple(_tiles(x, spec.tile) for x in (hidden, *per_position)))
-  return _untile(out, length)
+  _, out = jax.lax.scan(body, None, tuple(tiles(x, spec.tile) for x in (hidden, *per_position)))
+  return untile(out, length)
 
 
 def _soft_tile(z: Array, w: Array, dtype) -> Array:
@@ -172,12 +175,12 @@ def soft_embeddings(hidden: Array, embed: Array, spec: HeadSpec) -> Array:
   def one(h, w):
     return _soft_tile(logits(h, w, spec), w, spec.dtype)
 
-  _, out = jax.lax.scan(lambda _, h: (None, one(h, embed)), None, _tiles(hidden, spec.tile))
-  return _untile(out, hidden.shape[1])
+  _, out = jax.lax.scan(lambda _, h: (None, one(h, embed)), None, tiles(hidden, spec.tile))
+  return untile(out, hidden.shape[1])
 
 
 def soft_embeddings_of_logits(z: Array, embed: Array, dtype, tile: int) -> Array:
   """z [B, L, V] logits -> `softmax(z) @ embed * sqrt(H)` [B, L, H], `tile` positions at a time (the sampler's
   self-conditioning input: no `[B, L, V]` probabilities beside the logits)."""
-  _, out = jax.lax.scan(lambda _, t: (None, _soft_tile(t, embed, dtype)), None, _tiles(z, tile))
-  return _untile(out, z.shape[1])
+  _, out = jax.lax.scan(lambda _, t: (None, _soft_tile(t, embed, dtype)), None, tiles(z, tile))
+  return untile(out, z.shape[1])

@@ -10,6 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: device_workers
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
@@ -27,6 +28,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+from device_workers import max_err, scale  # noqa: E402
 from hackable_diffusion import sharding as sh  # noqa: E402
 from hackable_diffusion.model import attention, moe  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
@@ -37,15 +39,6 @@ MESHES = {"expert8": (1, 1, 1, 8), "fsdp2_expert4": (1, 2, 1, 4), "data2_fsdp2_e
 
 def mesh_of(shape) -> jax.sharding.Mesh:
   return sh.make_mesh(sh.MeshConfig(**dict(zip(sh.MESH_AXES, shape))))
-
-
-def max_err(got, want) -> float:
-  return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-
-
-def scale(tree) -> float:
-  return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
 
 
 def routing(tokens: int, top_k: int, num_experts: int, seed: int, skewed: bool):

@@ -20,32 +20,14 @@ Tolerance: `max |got - want| <= 1e-5 * max(1, max |want|)` (sums in another orde
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, "tests", "sharding", "moe_mesh_worker.py")
+from device_workers import close, run_worker
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("moe_mesh") / "out.json")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, WORKER, out], env=env, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600)
-  if proc.returncode != 0:
-    pytest.fail(f"worker exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-  with open(out, encoding="utf-8") as f:
-    return json.load(f)
-
-
-def close(err: float, scale: float) -> bool:
-  return err <= 1e-5 * max(1.0, scale)
+  return run_worker("tests/sharding/moe_mesh_worker.py", tmp_path_factory.mktemp("moe_mesh"))
 
 
 def test_expert_parallel_function_equals_one_device(results):
