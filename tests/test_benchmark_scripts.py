@@ -162,3 +162,33 @@ def test_gpu_check_runs_on_a_tiny_model_with_allow_cpu(tmp_path):
   assert [r["check"].split(",")[0] for r in rows] == ["decoder forward", "decoder forward", "hd.generate",
                                                        "LoRA train step"]
   assert all(r.get("forwards_per_s", r.get("tokens_per_s", r.get("seconds_per_step"))) > 0 for r in rows)
+
+
+_LIVE_PEAK_PROGRAM = """
+import jax, jax.numpy as jnp
+def f(w, x):  # a scanned MLP's gradient: loop-carried and stacked buffers, as in a train step
+  def body(h, wi):
+    return jnp.tanh(h @ wi), None
+  return jax.grad(lambda w: jnp.sum(jax.lax.scan(body, x, w)[0] ** 2))(w)
+c = jax.jit(f).lower(jnp.ones((4, 64, 64)), jnp.ones((32, 64))).compile()
+print("TEMP", c.memory_analysis().temp_size_in_bytes)
+"""
+
+
+def test_live_peak_reads_the_dumped_allocation(tmp_path):
+  """scripts/live_peak.py on the XLA dump of a small scanned gradient: the allocation it reads is the size XLA's
+  memory analysis reports, and the live peak it computes is positive and no larger."""
+  dump = tmp_path / "dump"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump}")
+  proc = subprocess.run([sys.executable, "-c", _LIVE_PEAK_PROGRAM], env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  temp = int(re.search(r"TEMP (\d+)", proc.stdout).group(1))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "live_peak.py"), str(dump), "jit_f"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  m = re.search(r"allocated (\d+) bytes .*live at once at most (\d+) bytes", out.stdout)
+  assert m, out.stdout
+  allocated, live = int(m.group(1)), int(m.group(2))
+  assert allocated == temp
+  assert 0 < live <= allocated
