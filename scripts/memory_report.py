@@ -322,8 +322,8 @@ def validate() -> None:
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cases", default=",".join(CASES),
-                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),b16 (case b compiled in bf16),"
-                      "c,d,q8,q4,q8p,q4p,qn")
+                      help="comma-separated subset of a,b,b2 (case b at batch 2 per device),"
+                           "b16 (case b compiled in bf16),c,d,q8,q4,q8p,q4p,qn")
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",

@@ -14,8 +14,9 @@ Master weights (mixed precision for full fine-tuning of a bfloat16 model): `init
 'float32')` keeps the trainable variables in the state as a float32 copy (`master_params`) and creates the optimizer
 state from it, so Adam's moments are float32; `make_train_step(..., param_dtypes=model_params)` casts that copy to
 the dtypes the model stores (`compute_model`, bfloat16) for the forward/backward and applies the update to the
-float32 copy (scanned layers with remat 'nothing_saveable' are cast one layer at a time inside their scan). The gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in
-float32 with the bfloat16 backward pass's values (rounded to bfloat16 they are bit-identical; XLA may keep a last
+float32 copy (scanned layers with remat 'nothing_saveable' are cast one layer at a time inside their scan). The
+gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in float32 with the
+bfloat16 backward pass's values (rounded to bfloat16 they are bit-identical; XLA may keep a last
 operation's float32 result), and gradient accumulation, clipping and Adam run in float32; an update smaller than
 half a bfloat16 unit in the last place accumulates in the master instead of being rounded away.
 

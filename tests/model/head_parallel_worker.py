@@ -127,7 +127,8 @@ def model_loss() -> dict:
     run = jax.jit(jax.value_and_grad(loss))
     v, g = run(params)
     manual = run.lower(params).as_text().count("sdy.manual_computation")
-  return dict(taken=taken, manual_computations=manual, err_value=abs(float(v) - float(want_v)), scale_value=abs(float(want_v)),
+  return dict(taken=taken, manual_computations=manual,
+              err_value=abs(float(v) - float(want_v)), scale_value=abs(float(want_v)),
               err_grad=max_err(g, want_g), scale_grad=scale(want_g),
               err_grad_embed=max_err(g["embed_tokens"], want_g["embed_tokens"]),
               scale_grad_embed=scale(want_g["embed_tokens"]))
