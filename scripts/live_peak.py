@@ -15,6 +15,7 @@ overlapping live ranges counted once, as one buffer).
 from __future__ import annotations
 
 import glob
+import os
 import re
 import sys
 
@@ -89,7 +90,10 @@ def main(argv: list[str]) -> None:
   for assignment in found:
     with open(assignment, encoding="utf-8") as f:
       values = temp_values(f.read().splitlines())
-    with open(assignment.replace("-buffer-assignment.txt", "-live-range.txt"), encoding="utf-8") as f:
+    live_range_file = assignment.replace("-buffer-assignment.txt", "-live-range.txt")
+    if not os.path.exists(live_range_file):
+      sys.exit(f"live_peak: {live_range_file} is missing (dump with a jax/XLA that writes live ranges)")
+    with open(live_range_file, encoding="utf-8") as f:
       ranges = live_ranges(f.read().splitlines())
     allocated = max(offset + size for _, size, offset in values)
     peak, where, missing = live_peak(values, ranges)

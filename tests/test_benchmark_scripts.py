@@ -192,3 +192,16 @@ def test_live_peak_reads_the_dumped_allocation(tmp_path):
   allocated, live = int(m.group(1)), int(m.group(2))
   assert allocated == temp
   assert 0 < live <= allocated
+
+
+def test_live_peak_counts_one_buffer_once_and_sums_overlapping_ones():
+  """`live_peak.live_peak` on hand-made values: aliases (one offset and size, overlapping ranges) count once over the
+  union of their ranges; the same offset reused later is a new buffer; buffers live together add up."""
+  import live_peak  # noqa: PLC0415 - scripts/ is on sys.path (conftest)
+
+  values = [("a{}", 100, 0), ("a_alias{}", 100, 0), ("a_later{}", 100, 0), ("b{}", 40, 100), ("c{}", 7, 140)]
+  ranges = {"a{}": (0, 5), "a_alias{}": (4, 9), "a_later{}": (20, 30), "b{}": (8, 12), "c{}": (25, 26)}
+  assert live_peak.live_peak(values, ranges) == (140, 8, 0)  # a (through its alias, to 9) + b, from position 8
+  ranges["b{}"] = (10, 12)  # no longer overlapping a: the peak is a_later + c
+  assert live_peak.live_peak(values, ranges) == (107, 25, 0)
+  assert live_peak.live_peak(values + [("d{}", 5, 200)], ranges)[2] == 5  # a value without a live range
