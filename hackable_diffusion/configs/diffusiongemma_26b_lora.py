@@ -17,8 +17,8 @@ Other hardware (same file, override on the command line):
 - 8 GPUs on one host: `--config.mesh.fsdp=8 --config.train.batch_size=64 --config.train.grad_accum_steps=1`
   (parameters, adapters and optimizer state sharded 8 ways; batch 8 per device). Full fine-tuning instead of
   LoRA: `--config.lora.enabled=False`; fp32 master weights and fp32 Adam moments are on by default then
-  (`optimizer.master_weights='auto'`). Not shown to fit: the report's case b compiles to more than 80 GB per
-  device at fsdp=8 (docs/scaling.md).
+  (`optimizer.master_weights='auto'`): the report's case b compiles to 61.9 GiB per device at fsdp=8, batch 8 per
+  device (docs/scaling.md; not run on GPUs).
 - TPU v5p-8 (4 chips x 95 GB): `--config.mesh.fsdp=4 --config.train.batch_size=32`. TPU v5e-8 (8 chips x 16 GB):
   the bf16 base alone is 47 GiB, 5.9 GiB a chip at fsdp=8, plus activations: `--config.mesh.fsdp=8
   --config.train.batch_size=8` (batch 1 per chip). Neither has been run; check with the report's mesh case first.

@@ -11,9 +11,12 @@ PEFT and merged export and the name tables all see it. A run stacks its model af
 Stacked variables keep their sharding metadata with a leading replicated axis (`None`), so the logical-axis rules
 shard them as before.
 
-A master-weights step (`training.step`, fp32 master, bf16 compute) casts the stacked layers one layer at a time
-inside the scan (`cast_layers_at_use`) instead of all at once before it: the compute copy of the layers never exists
-whole (the 26B-A4B on fsdp=8: 5.9 GiB per device), and their gradients leave the scan already in the master's dtype.
+A training step (`training.step.compute_model`, remat 'nothing_saveable') *links* the passes (`link_passes`): each
+pass (encoder, decoder) runs through `scan_grad.scan_layers`, whose backward pass recomputes each layer from its
+input and adds its weight gradient into one buffer shared by all passes (autodiff would keep one stacked gradient per
+pass: two of 10.6 GiB per device for the 26B-A4B's fp32 layers on fsdp=8). With a master copy (fp32 master, bf16
+compute) the stacked layers are also cast one layer at a time inside the scan instead of all at once before it: the
+compute copy of the layers never exists whole (5.9 GiB per device), and their gradients stay in the master's dtype.
 
 A scanned model's KV cache is stacked the same way (`KVCache.groups`: `keys[j]` is `[groups, B, S, ...]`, made by
 `init_cache`), so the scan reads and writes its slices in place: no copy of the cache per pass.
@@ -30,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import scan_grad
 
 
 def _is_variable(x: Any) -> bool:
@@ -60,6 +64,8 @@ class ScannedLayers(nnx.Module):
     self.groups = groups
     # per layer: its LoRA adapters' dropout indices (static; restored by `unstack_layers`)
     self.adapter_indices = tuple(tuple(sorted(d.items())) for d in adapter_indices) or ((),) * (period * groups)
+    # training (`link_passes`): passes run through `scan_grad.scan_layers` and share one gradient buffer
+    self.linked = False
     # per block: ((path of a variable's array in the block's state, dtype name), ...) cast inside the scan
     self.cast_at_use: tuple[tuple[tuple[str, str], ...], ...] = ((),) * period
 
@@ -80,15 +86,20 @@ class ScannedLayers(nnx.Module):
     graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
     casts = [dict(c) for c in self.cast_at_use]
 
+    def layer(j: int, state: Any, carry: Any, inputs: Any) -> tuple[Any, Any]:
+      return fn(nnx.merge(graphdefs[j], _cast_paths(state, casts[j]) if casts[j] else state), carry, inputs)
+
+    if self.linked:  # the next pass reads the link: its gradient is handed to this pass's backward scan
+      x, outs, link = scan_grad.scan_layers(layer, list(states), x, list(per_block))
+      # new blocks over the link (the variables of the old ones may belong to an outer trace)
+      self.blocks = nnx.List([nnx.merge(g, state) for g, state in zip(graphdefs, link)])
+      return x, outs
+
     def body(carry, xs):
       group_states, group_inputs = xs
       outs = []
       for j in range(p):
-        if casts[j]:  # the cast inside a checkpoint: the backward pass recasts the master, saves no bf16 copy
-          call = jax.checkpoint(lambda st, c, i, j=j: fn(nnx.merge(graphdefs[j], _cast_paths(st, casts[j])), c, i))
-          carry, out = call(group_states[j], carry, group_inputs[j])
-        else:
-          carry, out = fn(nnx.merge(graphdefs[j], group_states[j]), carry, group_inputs[j])
+        carry, out = layer(j, group_states[j], carry, group_inputs[j])
         outs.append(out)
       return carry, outs
 
@@ -102,22 +113,31 @@ def _cast_paths(state: Any, dtypes: dict[str, str]) -> Any:
       state)
 
 
-def cast_layers_at_use(model: nnx.Module, dtypes: dict[int, dict[str, str]]) -> nnx.Module:
-  """Makes the scanned layers of `model` cast their variables one layer at a time inside the scan, in place.
+def link_passes(model: nnx.Module, dtypes: dict[int, dict[str, str]] | None = None) -> nnx.Module:
+  """Makes the stacked layers of a traced `model` (inside a training step) run each pass through
+  `scan_grad.scan_layers`, in place: the layers are recomputed in the backward pass (the 'nothing_saveable' policy;
+  the model's own per-layer remat is then off) and all passes of the step add into one gradient buffer.
 
   dtypes: `{block j: {keystr of a path in block j's state: dtype name}}` (paths as `nnx.split(block)` gives them,
-  i.e. a trainable variable's path in the model minus its leading `('layers', 'blocks', j)`). For a traced model
-  (inside a step): the scan then reads the stacked master arrays and casts each layer's slice where it is used.
+  i.e. a trainable variable's path in the model minus its leading `('layers', 'blocks', j)`): the scan reads these
+  arrays (a master copy) and casts each layer's slice where it is used.
   """
   layers = model.layers
   if not isinstance(layers, ScannedLayers):
-    raise ValueError("cast_layers_at_use: the model's layers are not stacked (scan.stack_layers)")
+    raise ValueError("link_passes: the model's layers are not stacked (scan.stack_layers)")
+  dtypes = dtypes or {}
   bad = sorted(set(dtypes) - set(range(layers.period)))
   if bad:
-    raise ValueError(f"cast_layers_at_use: blocks {bad} do not exist (the layer period is {layers.period})")
+    raise ValueError(f"link_passes: blocks {bad} do not exist (the layer period is {layers.period})")
+  layers.linked = True
   layers.cast_at_use = tuple(tuple(sorted((path, str(jnp.dtype(d))) for path, d in dtypes.get(j, {}).items()))
                              for j in range(layers.period))
   return model
+
+
+def is_linked(layers: Any) -> bool:
+  """Whether `layers` (a model's `layers`) run linked passes (`link_passes`), which rematerialise on their own."""
+  return isinstance(layers, ScannedLayers) and layers.linked
 
 
 def _unused_indices(layer: nnx.Module) -> dict[tuple, int]:
@@ -220,4 +240,4 @@ def is_scanned(model: Any) -> bool:
   return isinstance(getattr(model, "layers", None), ScannedLayers)
 
 
-__all__ = ["ScannedLayers", "cast_layers_at_use", "is_scanned", "layer_period", "stack_layers", "unstack_layers"]
+__all__ = ["ScannedLayers", "is_linked", "is_scanned", "layer_period", "link_passes", "stack_layers", "unstack_layers"]

@@ -221,7 +221,7 @@ class DiffusionGemma(nnx.Module):
                                                                                              start)
     rope = self._rope(positions)
     x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
-    run = _remat(_encode_layer, self.config.remat)
+    run = _remat(_encode_layer, "none" if scan.is_linked(self.layers) else self.config.remat)
 
     def one(layer, x, kv):
       x, k, v = run(layer, x, *rope[_layer_type(layer)], *kv, start, valid)
@@ -267,7 +267,7 @@ class DiffusionGemma(nnx.Module):
         SLIDING: decoder_prefix_mask(cache.valid, cache.length, self.config.sliding_window),
         FULL: decoder_prefix_mask(cache.valid, cache.length, None),
     }
-    run = _remat(_decode_layer, self.config.remat)
+    run = _remat(_decode_layer, "none" if scan.is_linked(self.layers) else self.config.remat)
 
     def one(layer, x, kv):
       t = _layer_type(layer)

@@ -14,7 +14,8 @@ Master weights (mixed precision for full fine-tuning of a bfloat16 model): `init
 'float32')` keeps the trainable variables in the state as a float32 copy (`master_params`) and creates the optimizer
 state from it, so Adam's moments are float32; `make_train_step(..., param_dtypes=model_params)` casts that copy to
 the dtypes the model stores (`compute_model`, bfloat16) for the forward/backward and applies the update to the
-float32 copy (scanned layers with remat 'nothing_saveable' are cast one layer at a time inside their scan). The
+float32 copy (scanned layers with remat 'nothing_saveable' are cast one layer at a time inside their scan, and the
+encoder and decoder passes share one gradient buffer: `scan.link_passes`). The
 gradient is taken through the cast (the transpose of a cast is the cast back), so it arrives in float32 with the
 bfloat16 backward pass's values (rounded to bfloat16 they are bit-identical; XLA may keep a last
 operation's float32 result), and gradient accumulation, clipping and Adam run in float32; an update smaller than
@@ -103,29 +104,29 @@ def _scanned_block(path: tuple) -> tuple[int, str] | None:
 def compute_model(graphdef: nnx.GraphDef, params: Any, rest: Any, param_dtypes: Any = None) -> nnx.Module:
   """The model to run in a step: `params` (a master copy when `param_dtypes` is given) cast to `param_dtypes`.
 
-  Stacked layers (`ModelConfig.scan_layers`, with remat 'nothing_saveable') are cast one layer at a time inside
-  their scan (`scan.cast_layers_at_use`), the rest here: the compute copy of the layers never exists whole, and their
-  gradients leave the scan in the master's dtype. Without `param_dtypes`: `nnx.merge(graphdef, params, rest)`.
+  Stacked layers (`ModelConfig.scan_layers`) with remat 'nothing_saveable' run linked passes (`scan.link_passes`):
+  the encoder and decoder passes add their layer gradients into one buffer, and with `param_dtypes` the layers are
+  cast one layer at a time inside their scan, the rest here: the compute copy of the layers never exists whole, and
+  their gradients stay in the master's dtype. Otherwise: `nnx.merge(graphdef, params, rest)` with `params` cast.
   """
+  model = nnx.merge(graphdef, params, rest)
+  linked = scan.is_scanned(model) and getattr(model.config, "remat", None) == "nothing_saveable"
   dtypes = _dtypes(param_dtypes)
   if dtypes is None:
-    return nnx.merge(graphdef, params, rest)
+    return scan.link_passes(model) if linked else model
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   if len(flat) != len(dtypes):
     raise ValueError(f"param_dtypes has {len(dtypes)} leaves, the trainable variables {len(flat)}")
-  model = nnx.merge(graphdef, params, rest)
-  # the per-layer cast is recomputed in the backward pass, as the layer is with 'nothing_saveable'
-  scanned = scan.is_scanned(model) and getattr(model.config, "remat", None) == "nothing_saveable"
   leaves, deferred = [], {}
   for (path, x), d in zip(flat, dtypes):
-    where = _scanned_block(path) if scanned and x.dtype != d else None
+    where = _scanned_block(path) if linked and x.dtype != d else None
     if where is None:
       leaves.append(x.astype(d))
     else:
       deferred.setdefault(where[0], {})[where[1]] = d
       leaves.append(x)
   model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), rest)
-  return scan.cast_layers_at_use(model, deferred) if deferred else model
+  return scan.link_passes(model, deferred) if linked else model
 
 
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, trainable: Any = nnx.Param,

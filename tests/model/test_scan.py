@@ -54,31 +54,37 @@ def _flat(state) -> dict:
           for path, v in nnx.to_flat_state(state)}
 
 
-def _grads(model, filt):
-  """(loss, gradients of the `filt` variables by path, layer by layer) of the diffusion loss on a fixed batch."""
+def _grads(model, filt, linked: bool = False):
+  """(loss, gradients of the `filt` variables by path, layer by layer) of the diffusion loss on a fixed batch;
+  `linked`: the passes share one gradient buffer (`scan.link_passes`, what a training step runs)."""
   batch, key, cfg = _batch(), jax.random.key(1), LossConfig()
   noise = draw_noise(key, batch, CANVAS, VOCAB, cfg)
   graphdef, params, rest = nnx.split(model, filt, ...)
 
   def loss(params):
-    return diffusion_loss(nnx.merge(graphdef, params, rest), batch, key, cfg, noise=noise)[0]
+    m = nnx.merge(graphdef, params, rest)
+    return diffusion_loss(scan.link_passes(m) if linked else m, batch, key, cfg, noise=noise)[0]
 
   value, grads = jax.jit(jax.value_and_grad(loss))(params)
   as_model = scan.unstack_layers(nnx.merge(graphdef, grads, rest))  # gradients named layer by layer
   return float(value), _flat(nnx.state(as_model, filt))
 
 
-@pytest.mark.parametrize("lora,remat", [(None, "none"), (LoraConfig(rank=2, target_modules=("all-linear", "experts")),
-                                                      "nothing_saveable")], ids=["full", "lora-remat"])
-def test_scanned_gradients_equal_the_unrolled_model(lora, remat):
+_LORA = LoraConfig(rank=2, target_modules=("all-linear", "experts"))
+
+
+@pytest.mark.parametrize("lora,remat,linked", [(None, "none", False), (_LORA, "nothing_saveable", False),
+                                               (None, "nothing_saveable", True), (_LORA, "nothing_saveable", True)],
+                         ids=["full", "lora-remat", "full-linked", "lora-linked"])
+def test_scanned_gradients_equal_the_unrolled_model(lora, remat, linked):
   """Loss and every gradient (full fine-tuning: all parameters; LoRA: the adapters, experts included) of the
-  scanned model (without remat; with remat) equal the unrolled model without remat (fp32, <= 1e-5 of the
-  largest)."""
+  scanned model (without remat; with remat; with linked passes, which share one gradient buffer and recompute in
+  their own backward pass) equal the unrolled model without remat (fp32, <= 1e-5 of the largest)."""
   filt = nnx.Param if lora is None else nnx.LoRAParam
   ref_loss, ref = _grads(_model(lora=lora), filt)
   scale = max(float(np.abs(g).max()) for g in ref.values())
   assert scale > 0 and len(ref) > 10
-  loss, got = _grads(_model(remat, lora=lora, scanned=True), filt)
+  loss, got = _grads(_model(remat, lora=lora, scanned=True), filt, linked)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   assert got.keys() == ref.keys()
   for path, g in ref.items():

@@ -256,6 +256,52 @@ def run_local_tokens() -> dict:
   return out
 
 
+def run_linked() -> dict:
+  """A training step's loss and gradients with the layers scanned, remat 'nothing_saveable' and `tiled` experts
+  (`training.step.make_loss_and_grad`: linked passes, one gradient buffer for the encoder and decoder passes,
+  each device running its own tokens) on fsdp=8 and data2 x fsdp2 x tensor2 == the unrolled model without remat
+  on one device, every parameter gradient compared layer by layer."""
+  from hackable_diffusion.data.sft import SFTBatch  # noqa: PLC0415
+  from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss  # noqa: PLC0415
+  from hackable_diffusion.model import scan  # noqa: PLC0415
+  from hackable_diffusion.training.step import make_loss_and_grad  # noqa: PLC0415
+
+  cfg = get_preset("tiny", num_experts=8, top_k_experts=2, num_hidden_layers=4, moe_impl="tiled",
+                   layer_types=("sliding_attention", "full_attention") * 2)
+  rng = np.random.default_rng(4)
+  b, c = 8, cfg.canvas_length
+  batch = SFTBatch(prompt_ids=jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 6)), jnp.int32),
+                   prompt_mask=jnp.asarray(np.arange(6)[None] >= rng.integers(0, 3, (b, 1))),
+                   completion_ids=jnp.asarray(rng.integers(3, cfg.vocab_size, (b, 2 * c)), jnp.int32),
+                   completion_mask=jnp.asarray(np.arange(2 * c)[None] < rng.integers(c, 2 * c + 1, (b, 1))))
+  key, loss_cfg = jax.random.key(6), LossConfig(self_conditioning_prob=0.5)
+  graphdef, params, rest = nnx.split(init_model(cfg, seed=2), nnx.Param, ...)
+  ref_loss, ref = jax.jit(jax.value_and_grad(
+      lambda p: diffusion_loss(nnx.merge(graphdef, p, rest), batch, key, loss_cfg)[0]))(params)
+
+  scanned = scan.stack_layers(init_model(cfg.replace(remat="nothing_saveable", scan_layers=True), seed=2))
+  s_graphdef, s_params, s_rest = nnx.split(scanned, nnx.Param, ...)
+  grad_fn = make_loss_and_grad(s_graphdef, loss_cfg)
+  out: dict = {}
+  for name, shape in {"fsdp8": (1, 8, 1, 1), "data2_fsdp2_tensor2": (2, 2, 2, 1)}.items():
+    mesh = mesh_of(shape)
+
+    def traced(p, r, batch, mesh=mesh):
+      with sh.activation_sharding(mesh):
+        return grad_fn(p, r, batch, key)
+
+    p_in = sh.shard_state(s_params, sh.state_shardings(mesh, s_params))
+    r_in = sh.shard_state(s_rest, sh.state_shardings(mesh, s_rest))
+    b_in = jax.device_put(batch, sh.batch_sharding(mesh))
+    (loss, _), grads = jax.jit(traced)(p_in, r_in, b_in)
+    unrolled = nnx.state(scan.unstack_layers(nnx.merge(s_graphdef, grads, s_rest)), nnx.Param)
+    out[name] = {"loss": float(loss), "ref_loss": float(ref_loss), "err": max_err(unrolled, ref),
+                 "scale": scale(ref), "same_tree": jax.tree.structure(unrolled) == jax.tree.structure(ref),
+                 "q_split": not p_in["layers"]["blocks"][0]["self_attn"]["q_proj"]["kernel"][...]
+                 .sharding.is_fully_replicated}
+  return out
+
+
 def per_expert_gathers() -> dict:
   """Weight-heavy experts (gate_up + down: 6 MiB whole) on few tokens, fsdp=8: the compiled `tiled` gradient's
   temporaries against the experts' whole bytes. Gathered one expert at a time, a device never holds a layer's whole
@@ -289,6 +335,6 @@ def per_expert_gathers() -> dict:
 if __name__ == "__main__":
   result = {"devices": jax.device_count(), "functions": run_functions(), "model": run_model(),
             "attention": run_attention(), "qlora": run_qlora(),
-            "local_tokens": run_local_tokens()}
+            "local_tokens": run_local_tokens(), "linked": run_linked()}
   with open(sys.argv[1], "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)

@@ -13,6 +13,9 @@ JSON; the assertions live here:
   adapter gradients.
 - `tiled` / `ragged` on meshes that split the tokens (`moe.on_local_tokens`: each device sorts and runs its own
   tokens; weights gathered per expert / per layer) == one device, and a fraction of one device's temporaries.
+- A training step's gradients with scanned layers, remat and linked passes (`scan.link_passes`, one gradient buffer
+  for the encoder and decoder passes) and `tiled` experts on fsdp=8 and data2 x fsdp2 x tensor2 == the unrolled
+  model on one device.
 - Banded sliding-window encoder attention with the batch split over data x fsdp and the heads over tensor ==
   one device (left padding, per-row start offsets).
 Tolerance: `max |got - want| <= 1e-5 * max(1, max |want|)` (sums in another order).
@@ -95,3 +98,13 @@ def test_sorting_kernels_run_each_devices_own_tokens(results):
   # whole bytes (3.4 of 6 MiB; gathered whole per layer: 17 MiB)
   heavy = cases["tiled/fsdp8/weights"]
   assert heavy["temporaries"] < 0.75 * heavy["whole_expert_bytes"], heavy
+
+
+@pytest.mark.parametrize("mesh", ["fsdp8", "data2_fsdp2_tensor2"])
+def test_linked_training_gradients_on_a_mesh_equal_one_device(results, mesh):
+  """Loss and every parameter gradient (layer by layer, unstacked) of the scanned, rematerialised, linked training
+  loss with each device running its own tokens == the unrolled model without remat on one device."""
+  m = results["linked"][mesh]
+  assert m["same_tree"] and m["q_split"], m
+  assert abs(m["loss"] - m["ref_loss"]) <= 1e-6 * abs(m["ref_loss"]), m
+  assert m["scale"] > 0 and close(m["err"], m["scale"]), m
