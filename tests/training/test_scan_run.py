@@ -1,5 +1,6 @@
-"""A run with `ModelConfig.scan_layers`: trains like the unrolled run, resumes its stacked checkpoint, exports
-layer by layer (a merged checkpoint that loads back with the same logits)."""
+"""A run with `ModelConfig.scan_layers` (and remat, so its training steps run linked passes): trains like the
+unrolled run without remat, resumes its stacked checkpoint, exports layer by layer (a merged checkpoint that loads
+back with the same logits)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def _config(scanned: bool, steps: int):
                                                 "train.checkpoint_every": 5, "train.eval_at_end": False,
                                                 "optimizer.decay_steps": 10})
   cfg.unlock()
+  # scanned with remat 'nothing_saveable': the step's passes are linked (one gradient buffer, `scan.link_passes`)
   cfg.model.overrides = ml_collections.ConfigDict(dict(canvas_length=8, num_hidden_layers=len(LAYERS),
-                                                       layer_types=LAYERS, scan_layers=scanned))
+                                                       layer_types=LAYERS, scan_layers=scanned,
+                                                       remat="nothing_saveable" if scanned else "none"))
   cfg.lock()
   return cfg
 
