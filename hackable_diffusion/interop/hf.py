@@ -43,6 +43,7 @@ from hackable_diffusion.interop.placement import (DequantizedTensor, Placement, 
                                                   place_in_shards, place_on_host)
 from hackable_diffusion.interop.safetensors_io import (INDEX_NAME, WEIGHTS_NAME, checkpoint_nbytes, iter_tensors,
                                                        open_safetensors, weight_files)
+from hackable_diffusion.model import scan
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
 from hackable_diffusion.sharding.logical import LOGICAL_AXIS_RULES, Rules
@@ -135,7 +136,7 @@ def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host)
 
 def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None, adapter: str | None = None,
                     mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES, adapter_path: str | None = None,
-                    **config_overrides: Any) -> DiffusionGemma:
+                    stack: bool = True, **config_overrides: Any) -> DiffusionGemma:
   """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
 
   `path` (and `adapter`): a local directory or a Hugging Face Hub id (`owner/name`), resolved by
@@ -150,7 +151,9 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
   `CheckpointError` naming the tensor for a missing tensor, an unexpected tensor, or a shape mismatch, and the field
   for an unsupported `quantization_config`. `adapter`: a PEFT adapter directory to apply on top (see
   `hackable_diffusion.interop.peft`; `adapter_path` is the same argument under transformers' name).
-  `config_overrides`: `ModelConfig` fields to override.
+  `config_overrides`: `ModelConfig` fields to override. With `scan_layers=True` (an override or the config) the
+  returned model's layers are stacked (`model.scan.stack_layers`, after the adapter), unless `stack=False` (the
+  trainer adds its adapters first and stacks after).
   """
   if adapter is not None and adapter_path is not None and adapter != adapter_path:
     raise ConfigError(f"load_pretrained: adapter={adapter!r} and adapter_path={adapter_path!r} disagree; pass one")
@@ -163,6 +166,8 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
   load_weights(model, path, place_on_host if mesh is None else place_in_shards(mesh, rules))
   if adapter is not None:
     model = peft_io.load_adapter(model, resolve_model_path(adapter))
+  if stack and model.config.scan_layers:
+    model = scan.stack_layers(model, donate=True)
   return model
 
 

@@ -43,6 +43,7 @@ from flax import nnx
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
+from hackable_diffusion.model import scan
 
 Array = jax.Array
 ALL_LINEAR = "all-linear"
@@ -348,6 +349,9 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
   """
   if has_lora(model):
     raise ValueError("model already has LoRA adapters; merge() or split() it first")
+  if scan.is_scanned(model):  # stacked arrays would get per-layer-shaped factors
+    raise ConfigError("apply_lora: the model's layers are stacked (scan_layers); add the adapters to the unrolled "
+                      "model, then stack it (model.scan.stack_layers)")
   targets = resolve_targets(model, config)
   model = nnx.clone(model)
   if config.quantization is not None:

@@ -207,7 +207,7 @@ def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, mesh: Mesh 
     if quantized != "none":  # QLoRA: quantized tensor by tensor as it loads; no dense copy on the device
       return load_pretrained_quantized(cfg.model.checkpoint, quantized, dtype=cfg.model.dtype,
                                        block_size=cfg.lora.base_block_size, mesh=mesh, **overrides)
-    return load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, mesh=mesh, **overrides)
+    return load_pretrained(cfg.model.checkpoint, dtype=cfg.model.dtype, mesh=mesh, stack=False, **overrides)
   return init_model(model_config, seed=cfg.train.seed)
 
 

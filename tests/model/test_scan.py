@@ -214,6 +214,25 @@ def test_exports_of_a_scanned_model_equal_the_unrolled_ones(tmp_path):
   np.testing.assert_allclose(np.asarray(loaded(ids, canvas)), np.asarray(unrolled(ids, canvas)), rtol=1e-5, atol=1e-5)
 
 
+def test_load_pretrained_with_scan_layers_returns_stacked_layers(tmp_path):
+  """`hd.load_pretrained(path, scan_layers=True)` returns the layers stacked (a PEFT adapter applied first) with the
+  unrolled model's forward; `stack=False` (what the trainer uses, to add its adapters first) leaves them unrolled."""
+  lora = LoraConfig(rank=2, target_modules=("all-linear",))
+  base = _model()
+  hd.save_pretrained(base, str(tmp_path / "base"))
+  adapted = apply_lora(nnx.clone(base), lora, rngs=nnx.Rngs(1))
+  for var in jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    var.set_value(var.get_value() + 0.01)
+  peft.save_adapter(adapted, str(tmp_path / "adapter"))
+  ids, canvas = _batch().prompt_ids, _batch().completion_ids
+  for adapter, ref in ((None, base), (str(tmp_path / "adapter"), adapted)):
+    got = hd.load_pretrained(str(tmp_path / "base"), dtype="float32", adapter=adapter, scan_layers=True)
+    assert scan.is_scanned(got) and got.config.scan_layers
+    np.testing.assert_allclose(np.asarray(got(ids, canvas)), np.asarray(ref(ids, canvas)), rtol=1e-5, atol=1e-5)
+  kept = hd.load_pretrained(str(tmp_path / "base"), dtype="float32", scan_layers=True, stack=False)
+  assert not scan.is_scanned(kept) and len(kept.layers) == 2 * GROUPS
+
+
 def test_generate_with_a_scanned_model_gives_the_unrolled_sequences():
   """The sampler (encode writes the cache through the scan; the denoising loop decodes through it) gives the same
   sequences for the same key."""
@@ -277,6 +296,11 @@ def test_decoding_from_the_stacked_cache_copies_no_cache():
 def test_lora_dropout_is_refused_when_scanning():
   with pytest.raises(ConfigError, match="scan_layers.*dropout|dropout.*scan"):
     _model(lora=LoraConfig(rank=2, dropout=0.1), scanned=True)
+
+
+def test_adapters_on_stacked_layers_are_refused():
+  with pytest.raises(ConfigError, match="stacked"):
+    apply_lora(_model(scanned=True), LoraConfig(rank=2), rngs=nnx.Rngs(0))
 
 
 def test_scan_layers_must_be_a_bool():

@@ -68,3 +68,16 @@ def test_a_scanned_run_trains_resumes_and_exports_like_the_unrolled_run(tmp_path
   canvas = jnp.asarray(np.random.default_rng(1).integers(3, 14, (2, 8)), jnp.int32)
   np.testing.assert_allclose(np.asarray(loaded(ids, canvas)), np.asarray(run(ids, canvas)), rtol=1e-5, atol=1e-5)
   assert jax.tree.structure(nnx.state(loaded, nnx.Param)) == jax.tree.structure(nnx.state(ref, nnx.Param))
+
+  # fine-tuning that checkpoint with LoRA and scanned layers: the trainer loads it unrolled (`load_pretrained(...,
+  # stack=False)`), adds the adapters, then stacks; the adapters start at zero, so the forward is the checkpoint's
+  cfg = _config(True, 1)
+  cfg.unlock()
+  cfg.model.checkpoint, cfg.model.preset = out, ""
+  cfg.model.overrides = ml_collections.ConfigDict(dict(scan_layers=True))
+  cfg.lora = ml_collections.ConfigDict(dict(enabled=True, rank=2, target_modules=("all-linear",)))
+  cfg.lock()
+  exp = config_lib.ExperimentConfig.from_config_dict(cfg)
+  tuned, filt = run_lib.apply_lora(exp, run_lib.build_model(exp, None))
+  assert scan.is_scanned(tuned) and filt is nnx.LoRAParam and nnx.state(tuned, nnx.LoRAParam)
+  np.testing.assert_allclose(np.asarray(tuned(ids, canvas)), np.asarray(loaded(ids, canvas)), rtol=1e-5, atol=1e-5)
