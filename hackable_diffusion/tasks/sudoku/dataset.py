@@ -47,6 +47,7 @@ def write_dataset(
     num_test: int,
     seed: int = 0,
     bucket_weights: Mapping[str, float] | None = None,
+    train_bucket_weights: Mapping[str, float] | None = None,
     config: generator.GeneratorConfig = generator.GeneratorConfig(),
     workers: int = 1,
     chunk_size: int = 64,
@@ -62,6 +63,8 @@ def write_dataset(
       ``show_progress``.
     bucket_weights: difficulty mix, e.g. ``{'easy': 1, 'medium': 1, 'hard': 2}`` (default equal);
       every split gets exact counts (see `generator.assign_buckets`).
+    train_bucket_weights: the training split's own mix (default ``bucket_weights``); validation and test keep
+      ``bucket_weights``, so a training curriculum does not change what is measured.
     config: givens range per bucket.
     workers: generator processes.
     chunk_size: puzzles per task sent to a worker.
@@ -88,7 +91,8 @@ def write_dataset(
             counts[split],
             seed=split_seed(seed, split),
             seen=seen,
-            bucket_weights=bucket_weights,
+            bucket_weights=(train_bucket_weights if split == 'train' and train_bucket_weights is not None
+                            else bucket_weights),
             config=config,
             workers=workers,
             chunk_size=chunk_size,

@@ -26,9 +26,10 @@ class SudokuTask(BaseTask):
   """Solve 9x9 puzzles: prompt = 81 chars ('0' blank), completion = 81 digits.
 
   num_train / num_validation / num_test, seed, easy/medium/hard (bucket weights) and workers shape the
-  generated data (`make_data`). At evaluation, `pin_givens` starts the canvas from the givens and pins them
-  (the sampler never changes them); `digits_only` restricts sampling to the digits 1-9. Its attention structure
-  lets each cell see its row / column / box peers (`structure.peer_mask`).
+  generated data (`make_data`); train_easy/train_medium/train_hard, if any is set, give the training split its own
+  mix (unset ones count 0) while validation and test keep easy/medium/hard. At evaluation, `pin_givens` starts the
+  canvas from the givens and pins them (the sampler never changes them); `digits_only` restricts sampling to the
+  digits 1-9. Its attention structure lets each cell see its row / column / box peers (`structure.peer_mask`).
   """
 
   num_train: int = 20_000
@@ -38,6 +39,9 @@ class SudokuTask(BaseTask):
   easy: float = 0.5
   medium: float = 0.5
   hard: float = 0.0
+  train_easy: float | None = None
+  train_medium: float | None = None
+  train_hard: float | None = None
   workers: int = 2
   pin_givens: bool = True
   digits_only: bool = True
@@ -49,15 +53,22 @@ class SudokuTask(BaseTask):
       v = getattr(self, field)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ConfigError(f"sudoku task {field}={v!r}; expected a positive integer")
-    if min(self.easy, self.medium, self.hard) < 0 or self.easy + self.medium + self.hard <= 0:
-      raise ConfigError(f"sudoku task bucket weights easy={self.easy}, medium={self.medium}, hard={self.hard} "
-                        "must be >= 0 and not all 0")
+    _check_weights(self.easy, self.medium, self.hard, "")
+    if self.train_weights() is not None:
+      _check_weights(*self.train_weights().values(), "train_")
+
+  def train_weights(self) -> dict[str, float] | None:
+    """The training split's bucket weights, or None when it follows easy/medium/hard."""
+    given = {"easy": self.train_easy, "medium": self.train_medium, "hard": self.train_hard}
+    if all(v is None for v in given.values()):
+      return None
+    return {k: 0.0 if v is None else float(v) for k, v in given.items()}
 
   # ---- data --------------------------------------------------------------------------------------------------
   def _spec(self) -> dict[str, Any]:
     return {"task": "sudoku", "num_train": self.num_train, "num_validation": self.num_validation,
             "num_test": self.num_test, "seed": self.seed, "easy": self.easy, "medium": self.medium,
-            "hard": self.hard}
+            "hard": self.hard, **({} if self.train_weights() is None else {"train": self.train_weights()})}
 
   def make_data(self, out_dir: str, progress: bool = True) -> dict[str, str]:
     """Writes train/validation/test JSONL into `out_dir` (once; regenerated if the generation arguments change),
@@ -70,7 +81,8 @@ class SudokuTask(BaseTask):
             os.remove(p)
       weights = {"easy": self.easy, "medium": self.medium, "hard": self.hard}
       dataset.write_dataset(out_dir, num_train=self.num_train, num_validation=self.num_validation,
-                            num_test=self.num_test, seed=self.seed, bucket_weights=weights, workers=self.workers,
+                            num_test=self.num_test, seed=self.seed, bucket_weights=weights,
+                            train_bucket_weights=self.train_weights(), workers=self.workers,
                             show_progress=progress)
       write_data_spec(out_dir, self._spec())
     return {split: str(p) for split, p in paths.items()}
@@ -110,3 +122,9 @@ class SudokuTask(BaseTask):
     puzzles = np.stack([formatting.parse_grid(r.prompt) for r in records])
     solutions = np.stack([formatting.parse_grid(r.completion) for r in records])
     return {k: float(v) for k, v in metrics.sudoku_metrics(preds, puzzles, solutions).items()}
+
+
+def _check_weights(easy: float, medium: float, hard: float, prefix: str) -> None:
+  if min(easy, medium, hard) < 0 or easy + medium + hard <= 0:
+    raise ConfigError(f"sudoku task bucket weights {prefix}easy={easy}, {prefix}medium={medium}, {prefix}hard={hard} "
+                      "must be >= 0 and not all 0")

@@ -82,6 +82,17 @@ def test_eval_splits_do_not_depend_on_num_train(tmp_path):
   assert len(read_split(tmp_path / 'big' / 'train.jsonl')) == 12
 
 
+def test_training_mix_leaves_the_eval_splits_alone(tmp_path):
+  mix = {'easy': 1.0, 'medium': 1.0}
+  write(tmp_path / 'same', num_train=8, bucket_weights=mix)
+  write(tmp_path / 'hard', num_train=8, bucket_weights=mix, train_bucket_weights={'medium': 1.0, 'hard': 3.0})
+  for split in ('validation', 'test'):
+    assert (tmp_path / 'same' / f'{split}.jsonl').read_bytes() == (tmp_path / 'hard' / f'{split}.jsonl').read_bytes()
+  train = [bucket_of(r['givens']) for r in read_split(tmp_path / 'hard' / 'train.jsonl')]
+  assert sorted(train) == ['hard'] * 6 + ['medium'] * 2  # exact counts of the training mix
+  assert {bucket_of(r['givens']) for r in read_split(tmp_path / 'same' / 'test.jsonl')} == {'easy', 'medium'}
+
+
 def test_repeated_puzzles_are_redrawn_in_the_same_bucket():
   config = generator.GeneratorConfig()
   first = generator.generate_dataset(6, seed=9, config=config)

@@ -63,3 +63,16 @@ def test_bad_task_arguments():
     get_task("sudoku", dict(num_train=0))
   with pytest.raises(ConfigError, match="bucket weights"):
     get_task("sudoku", dict(easy=0.0, medium=0.0, hard=0.0))
+  with pytest.raises(ConfigError, match="train_easy=-1"):
+    get_task("sudoku", dict(train_easy=-1.0, train_medium=1.0))
+
+
+def test_training_mix_is_part_of_the_data_spec(tmp_path):
+  args = dict(num_train=10, num_validation=4, num_test=4, workers=1)
+  get_task("sudoku", args).make_data(str(tmp_path))
+  test_before = (tmp_path / "test.jsonl").read_bytes()
+  get_task("sudoku", dict(args, train_medium=1.0, train_hard=1.0)).make_data(str(tmp_path))  # regenerated
+  givens = [json.loads(line)["givens"] for line in open(tmp_path / "train.jsonl")]
+  assert sorted(g < 30 for g in givens) == [False] * 5 + [True] * 5  # unset train_easy counts 0
+  assert min(givens) < 30 <= max(givens) < 40
+  assert (tmp_path / "test.jsonl").read_bytes() == test_before
