@@ -62,6 +62,9 @@ class SamplingConfig:
     canvas_length: tokens per canvas (block); None: the model's `canvas_length`.
     early_stopping: False disables the stable-and-confident stop, so every canvas runs exactly
       `max_denoising_steps` steps (benchmarks, step-budget evaluations).
+    self_conditioning: False decodes every step with the self-conditioning input off (a zero soft embedding, as
+      at the first step), for a model trained without it (`diffusion.self_conditioning_prob=0`). transformers
+      always feeds it (True).
     prompt_length_buckets: prompts are padded up to the next bucket so one compiled program serves many
       prompt lengths (padding is masked; results do not change). Longer prompts round up to a multiple of
       the largest bucket. `()` disables bucketing.
@@ -84,6 +87,7 @@ class SamplingConfig:
   pad_token_id: int | None = None
   canvas_length: int | None = None
   early_stopping: bool = True
+  self_conditioning: bool = True
   prompt_length_buckets: tuple[int, ...] = dataclasses.field(default_factory=_default_buckets)
   acceptance: str = "entropy_bound"
   acceptance_args: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
@@ -124,6 +128,8 @@ class SamplingConfig:
             "must be a finite float > 0 (use early_stopping=False to never stop early)")
     if not isinstance(self.early_stopping, bool):
       _fail("early_stopping", self.early_stopping, "must be a bool")
+    if not isinstance(self.self_conditioning, bool):
+      _fail("self_conditioning", self.self_conditioning, "must be a bool")
     eos = self.eos_token_id
     if eos is not None:
       if _is_int(eos):

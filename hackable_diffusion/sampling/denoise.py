@@ -103,6 +103,7 @@ class DenoiseStatic:
   static_rule: AcceptanceRule | None  # a rule that is not a pytree (then the `rule` argument is None)
   has_callback: bool
   trajectory_steps: int | None  # N when the trajectory is recorded
+  self_conditioning: bool = True  # False: every step decodes with the self-conditioning input off
 
 
 def self_conditioning_embeddings(embed: Array, dtype: Any, weights: Array, total: Array) -> Array:
@@ -207,7 +208,7 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
       if static.has_callback and on_step is not None:
         jax.debug.callback(on_step, call_id, scalars.canvas_index, s.step, argmax, done)
       return DenoiseState(step=s.step - 1, key=key, canvas=canvas, argmax=argmax, sc_embeddings=soft,
-                          has_sc=jnp.ones((), bool), done=done, steps=steps, history=history,
+                          has_sc=jnp.full((), static.self_conditioning), done=done, steps=steps, history=history,
                           trajectory=trajectory)
 
     final = jax.lax.while_loop(cond, body, init)

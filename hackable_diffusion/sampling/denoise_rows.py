@@ -146,7 +146,8 @@ def make_denoise_rows(graphdef: nnx.GraphDef, static: DenoiseStatic, key_impl: s
       soft = self_conditioning_embeddings(model.embed_tokens[...], model.dtype, stats.weights, stats.total)
       stop, history = eb.stable_and_confident(s.history, stats.argmax, stats.entropy, scalars.confidence_threshold)
       stepped = RowState(key=split[:, 0], step=s.step - 1, canvas=canvas, argmax=stats.argmax, sc_embeddings=soft,
-                         has_sc=jnp.ones_like(s.has_sc), done=(s.step <= 1) | (stop & scalars.early_stopping),
+                         has_sc=jnp.full_like(s.has_sc, static.self_conditioning),
+                         done=(s.step <= 1) | (stop & scalars.early_stopping),
                          steps=s.steps + 1, history=history)
       new = _rows_where(live, stepped, s)
       if static.has_callback and on_step is not None:

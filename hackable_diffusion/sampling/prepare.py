@@ -278,6 +278,7 @@ def prepare(
       static_rule=rule if rule_arg is None else None,
       has_callback=callback is not None,
       trajectory_steps=config.max_denoising_steps if return_trajectory else None,
+      self_conditioning=config.self_conditioning,
   )
   return Prepared(
       config=config, vocab_size=vocab, rng=rng, row_keys=row_keys, key_impl=key_impl,

@@ -54,6 +54,7 @@ def test_frozen_and_keyword_only():
         (dict(pad_token_id=-1), "pad_token_id"),
         (dict(canvas_length=0), "canvas_length"),
         (dict(early_stopping=1), "early_stopping"),
+        (dict(self_conditioning="no"), "self_conditioning"),
         (dict(prompt_length_buckets=(16, 8)), "prompt_length_buckets"),
         (dict(prompt_length_buckets=(0,)), "prompt_length_buckets"),
         (dict(acceptance="nope"), "acceptance"),

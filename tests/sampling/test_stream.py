@@ -154,3 +154,25 @@ def test_a_stream_compiles_each_program_once(model, prompts, caplog):
   compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
   assert sum("jit(run)" in m for m in compiled) == 1, compiled
   assert sum("jit(encode)" in m for m in compiled) == 1, compiled
+
+
+def test_self_conditioning_off_never_reads_the_previous_step(model, prompts):
+  """`self_conditioning=False` decodes every step with a zero soft embedding, which the bias-free
+  self-conditioning MLP maps to zero: its weights cannot change the samples then (the fixed batch with one key,
+  per-row keys, and the refilling stream alike). With it on (the default) the same change of weights does."""
+  other = nnx.clone(model)
+  for proj in (other.self_conditioning.mlp.gate_proj, other.self_conditioning.mlp.up_proj):
+    proj.kernel.set_value(proj.kernel.get_value() * 50 + 0.1)
+  rng = jax.random.key(3)
+
+  def sequences(m, on, keys):
+    sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, self_conditioning=on, **CONFIG)
+    return np.asarray(hd.generate(m, prompts, sampling, rng=keys).sequences)
+
+  for keys in (rng, _keys(rng, N)):
+    off = sequences(model, False, keys)
+    np.testing.assert_array_equal(off, sequences(other, False, keys))
+    assert (sequences(model, True, keys) != sequences(other, True, keys)).any()
+  sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, self_conditioning=False, **CONFIG)
+  for o in generate_stream(other, list(prompts), sampling, rng=rng, batch_size=3, chunk_steps=2):
+    np.testing.assert_array_equal(o.sequence, off[o.index, :len(o.sequence)])
