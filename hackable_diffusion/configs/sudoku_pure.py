@@ -14,7 +14,7 @@ from ml_collections import config_dict
 
 STRUCTURE = None  # the pure architecture
 NUM_TRAIN = 30_000
-STEPS = 1600
+STEPS = 2000  # as configs/sudoku.py
 BATCH = 32
 PEAK_LR = 2e-3
 NUM_EVAL = 300
