@@ -8,6 +8,7 @@ attention structure is `SudokuTask().attention_structure()` (`structure.PEER_MAS
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -125,6 +126,9 @@ class SudokuTask(BaseTask):
 
 
 def _check_weights(easy: float, medium: float, hard: float, prefix: str) -> None:
+  for name, v in (("easy", easy), ("medium", medium), ("hard", hard)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      raise ConfigError(f"sudoku task {prefix}{name}={v!r}; expected a finite number >= 0")
   if min(easy, medium, hard) < 0 or easy + medium + hard <= 0:
     raise ConfigError(f"sudoku task bucket weights {prefix}easy={easy}, {prefix}medium={medium}, {prefix}hard={hard} "
                       "must be >= 0 and not all 0")

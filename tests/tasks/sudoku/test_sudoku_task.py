@@ -65,6 +65,10 @@ def test_bad_task_arguments():
     get_task("sudoku", dict(easy=0.0, medium=0.0, hard=0.0))
   with pytest.raises(ConfigError, match="train_easy=-1"):
     get_task("sudoku", dict(train_easy=-1.0, train_medium=1.0))
+  with pytest.raises(ConfigError, match="train_hard=nan"):
+    get_task("sudoku", dict(train_medium=1.0, train_hard=float("nan")))
+  with pytest.raises(ConfigError, match="medium='half'"):
+    get_task("sudoku", dict(medium="half"))
 
 
 def test_training_mix_is_part_of_the_data_spec(tmp_path):
