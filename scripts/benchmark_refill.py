@@ -42,7 +42,7 @@ def fixed_batches(model: Any, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarr
 
 def streamed(model: Any, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray | None, pins: np.ndarray | None,
              keys: jax.Array, sampling: hd.SamplingConfig, batch: int, allowed: Any,
-             chunk_steps: int) -> tuple[list[np.ndarray], list[float]]:
+             chunk_steps: int | None) -> tuple[list[np.ndarray], list[float]]:
   """Every example's new tokens (and mean forwards per canvas) through `generate_stream` with `batch` slots."""
   n, width = ids.shape
   requests = (StreamRequest(ids[i], mask[i], None if seeds is None else seeds[i], None if pins is None else pins[i],
@@ -58,7 +58,7 @@ def timed(fn) -> tuple[Any, float]:
   return out, time.perf_counter() - t0
 
 
-def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int, allowed=None, seed: int = 0,
+def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int | None, allowed=None, seed: int = 0,
             score=None, repeats: int = 3) -> dict[str, Any]:
   """Both loops over every example, `repeats` times in alternation (after one untimed pass over one batch's worth
   of examples, which compiles both); tokens/s is each loop's median."""
@@ -95,7 +95,7 @@ def table(rows: list[dict[str, Any]]) -> str:
            "solved | same completions |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     solved = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
-    lines.append(f"| {r['examples']} | {r['batch']} | {r['chunk']} | {r['refill']:,.1f} | {r['fixed']:,.1f} | "
+    lines.append(f"| {r['examples']} | {r['batch']} | {r['chunk'] or '-'} | {r['refill']:,.1f} | {r['fixed']:,.1f} | "
                  f"{r['refill'] / r['fixed']:.2f}x | {r['steps']:.1f} | {solved} | {'yes' if r['same'] else 'NO'} |")
   return "\n".join(lines)
 
@@ -112,8 +112,9 @@ def smoke_case() -> tuple[Any, ...]:
   return model, ids, np.ones(ids.shape, bool), None, None, sampling, None, None, 4
 
 
-def run_case(workdir: str, examples: int) -> tuple[Any, ...]:
-  """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler."""
+def run_case(workdir: str, examples: int, cap: int = 0) -> tuple[Any, ...]:
+  """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler (its step cap
+  `cap`; 0: the run's `eval.early_stopping_steps`)."""
   from hackable_diffusion.evaluation import loop as eval_loop
   from hackable_diffusion.training import run as run_lib
 
@@ -123,6 +124,8 @@ def run_case(workdir: str, examples: int) -> tuple[Any, ...]:
   n = min(examples, len(data)) if examples else len(data)
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
   sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
+  if cap:
+    sampling = sampling.replace(max_denoising_steps=cap)
   task = run_lib.eval_task(cfg)
   seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)
                             * model.config.canvas_length)
@@ -141,16 +144,19 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", default=None, help="a trained run (e.g. runs/sudoku)")
   parser.add_argument("--examples", type=int, default=0, help="evaluation examples (0: all)")
   parser.add_argument("--batch", type=int, default=0, help="rows per batch / slots (0: the run's eval.batch_size)")
-  parser.add_argument("--chunk_steps", type=int, default=4)
+  parser.add_argument("--chunk_steps", type=int, default=0,
+                      help="at most this many steps per compiled call of the stream (0: no limit, the default)")
+  parser.add_argument("--cap", type=int, default=0,
+                      help="early-stopping step cap (0: the run's eval.early_stopping_steps)")
   parser.add_argument("--repeats", type=int, default=3, help="timed passes of each loop, alternating (median)")
   parser.add_argument("--smoke", action="store_true")
   args = parser.parse_args(argv)
   if not (args.smoke or args.workdir):
     parser.error("pass --workdir=<a trained run> or --smoke")
-  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples)
+  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap)
   model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
   batch = args.batch or default_batch
-  row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps,
+  row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps or None,
                 allowed=allowed, score=score, repeats=args.repeats)
   print(table([row]))
   return 0 if row["same"] else 1

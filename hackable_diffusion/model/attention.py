@@ -74,6 +74,23 @@ class KVCache:
       return jnp.where(which.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1)), a, b)
     return jax.tree.map(pick, self, other, self.batch_axes())
 
+  def take_rows(self, index: Array) -> KVCache:
+    """Rows `index [B']` of this cache, in that order (copied: the numbers do not change)."""
+    return jax.tree.map(lambda a, axis: jnp.take(a, index, axis=axis), self, self.batch_axes())
+
+  def padded(self, capacity: int) -> KVCache:
+    """This cache with `capacity >= self.capacity` slots (static); the added slots are empty (zero, not valid)."""
+    extra = capacity - self.capacity
+    if extra < 0:
+      raise ValueError(f"padded: capacity {capacity} is below the cache's {self.capacity}")
+    if extra == 0:
+      return self
+    def pad(a: Array, axis: int) -> Array:
+      return jnp.pad(a, [(0, extra) if d == axis else (0, 0) for d in range(a.ndim)])
+    axis = 2 if self.groups else 1
+    return self.replace(keys=tuple(pad(k, axis) for k in self.keys), values=tuple(pad(v, axis) for v in self.values),
+                        valid=pad(self.valid, 1))
+
   def regrouped(self, groups: int) -> KVCache:
     """This cache in the layout of `groups` (0: per layer; G: stacked over G groups). A copy unless unchanged."""
     if groups == self.groups:

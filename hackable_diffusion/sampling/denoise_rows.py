@@ -108,14 +108,15 @@ def make_denoise_rows(graphdef: nnx.GraphDef, static: DenoiseStatic, key_impl: s
   """The traced chunk of the per-row loop (to be `jax.jit`ted).
 
   Returns `run(state, cache, rows, reset [B], key_data [B, ...], seed_canvas [B, C], use_seed [B], pinned [B, C],
-  active [B], allowed [B, V], structure, scalars, rule, max_steps [], call_id) -> RowState`: starts the `reset`
-  rows (`start_rows`, keys `wrap_key_data(key_data, impl=key_impl)`), then takes up to `max_steps` steps while some
-  row is not done. `rows=None`: every slot starts empty (a fresh batch). `on_step` (with `static.has_callback`)
+  active [B], allowed [B, V], structure, scalars, rule, max_steps [], stop_on_finish [] bool, call_id) -> RowState`:
+  starts the `reset` rows (`start_rows`, keys `wrap_key_data(key_data, impl=key_impl)`), then takes up to
+  `max_steps` steps while some row is not done; with `stop_on_finish`, it also returns after the first step that
+  finishes a row (so a serving loop can refill that slot at once). `rows=None`: every slot starts empty (a fresh batch). `on_step` (with `static.has_callback`)
   after every step, given the step the live rows took (the largest, when rows started at different times).
   """
 
   def run(state, cache, rows: RowState | None, reset, key_data, seed_canvas, use_seed, pinned, active, allowed,
-          structure, scalars: DenoiseScalars, rule, max_steps, call_id):
+          structure, scalars: DenoiseScalars, rule, max_steps, stop_on_finish, call_id):
     on_trace()
     accept_rule = static.static_rule if static.static_rule is not None else rule
     model = nnx.merge(graphdef, state)
@@ -124,6 +125,7 @@ def make_denoise_rows(graphdef: nnx.GraphDef, static: DenoiseStatic, key_impl: s
       rows = empty_rows(batch, canvas_len, model.config.hidden_size, model.dtype, static.stability_threshold)
     keys = jax.random.wrap_key_data(key_data, impl=key_impl)
     rows = start_rows(rows, reset, keys, seed_canvas, use_seed, pinned, active, scalars.num_steps, static)
+    entered_done = rows.done  # [B] empty slots and rows that ended before this chunk
     weights_dtype = model.embed_tokens[...].dtype
 
     def body(carry: tuple[Array, RowState]) -> tuple[Array, RowState]:
@@ -157,7 +159,8 @@ def make_denoise_rows(graphdef: nnx.GraphDef, static: DenoiseStatic, key_impl: s
 
     def cond(carry: tuple[Array, RowState]) -> Array:
       taken, s = carry
-      return (taken < max_steps) & ~jnp.all(s.done)
+      finished = jnp.any(s.done & ~entered_done)
+      return (taken < max_steps) & ~jnp.all(s.done) & ~(stop_on_finish & finished)
 
     _, rows = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), rows))
     return rows

@@ -187,7 +187,8 @@ def _per_row_denoise(program: programs.Program, p: Prepared, place: Callable[[An
     key_data = place(np.asarray(jax.random.key_data(canvas_keys)))
     every = place(np.ones((p.batch,), bool))
     rows = program(state, cache, None, every, key_data, seed, every & has_seed, pins, ~frozen, allowed, structure,
-                   scalars, rule_arg, jnp.asarray(p.config.max_denoising_steps, jnp.int32), callback=callback)
+                   scalars, rule_arg, jnp.asarray(p.config.max_denoising_steps, jnp.int32), jnp.asarray(False),
+                   callback=callback)
     return rows.argmax, rows.steps, None
 
   return denoise

@@ -172,6 +172,22 @@ def encode_rows_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Pro
   return PROGRAMS.get(key, "encode_rows", build, donate_argnums=(1,))
 
 
+def copy_rows_program() -> Program:
+  """`(cache, source, index [B], which [B]) -> cache`: row `i` of the rows `which` becomes row `index[i]` of
+  `source` (a cache of the same layout with at most as many slots, e.g. prompts encoded ahead of time); every other
+  row is unchanged. A copy: the copied rows hold exactly the numbers of `source`. The cache is donated."""
+
+  def build(program: Program) -> Callable[..., Any]:
+    def copy(cache, source, index, which, call_id):
+      del call_id
+      program.on_trace()
+      return source.take_rows(index).padded(cache.capacity).where_rows(which, cache)
+
+    return copy
+
+  return PROGRAMS.get(("copy_rows",), "copy_rows", build, donate_argnums=(0,))
+
+
 def denoise_rows_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStatic, key_impl: str,
                          mesh: Mesh | None = None) -> Program:
   """The compiled chunk of the per-row loop (`denoise_rows.make_denoise_rows`; call it without the call id)."""
@@ -184,5 +200,5 @@ def denoise_rows_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStat
   return PROGRAMS.get(key, "denoise_rows", build)
 
 
-__all__ = ["MAX_PROGRAMS", "PROGRAMS", "Program", "ProgramCache", "clear_cache", "denoise_program",
+__all__ = ["MAX_PROGRAMS", "PROGRAMS", "Program", "ProgramCache", "clear_cache", "copy_rows_program", "denoise_program",
            "denoise_rows_program", "encode_program", "encode_rows_program", "trace_counts"]

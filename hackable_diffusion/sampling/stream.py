@@ -1,11 +1,13 @@
 """`generate_stream`: a serving-style loop over an iterable of prompts that refills finished rows.
 
 A fixed batch runs until its slowest row stops; with early stopping most rows stop long before. Here the batch is
-`batch_size` *slots*. The compiled per-row loop (`sampling.denoise_rows`) runs a chunk of at most `chunk_steps`
-steps; between chunks the host takes every row that stopped out of its slot: it commits the canvas (EOS / pad as
-`generate`), then either encodes it into the slot's KV cache and starts the row's next canvas, or yields the
-finished row and puts the next prompt in the slot (encoded into the slot's cache rows, the other rows untouched).
-Shapes never change, so the two programs (encode rows, denoise chunk) compile once per stream configuration.
+`batch_size` *slots*. Prompts are encoded ahead of time, `batch_size` at a time, into a staging KV cache (one
+encoder pass per `batch_size` prompts, the shape `generate` encodes them with). The compiled per-row loop
+(`sampling.denoise_rows`) runs until a row finishes while another prompt waits (or at most `chunk_steps` steps);
+then the host takes every row that stopped out of its slot: it commits the canvas (EOS / pad as `generate`), then
+either encodes it into the slot's KV cache and starts the row's next canvas, or yields the finished row and copies
+the next staged prompt's cache row into the slot (the other rows untouched). Shapes never change, so the three
+programs (encode rows, copy rows, denoise chunk) compile once per stream configuration.
 
 Every row has its own key (the request's, else `fold_in(rng, index)`) and its canvas `k` starts from
 `fold_in(key, k)`: a row's sequence depends on its own key and inputs only, and equals what
@@ -15,7 +17,9 @@ Prompts are left-padded to `prompt_length` (as `generate` pads a batch to its lo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -85,7 +89,7 @@ def generate_stream(
     rng: Array,
     batch_size: int = 8,
     prompt_length: int | None = None,
-    chunk_steps: int = 4,
+    chunk_steps: int | None = None,
     allowed_token_ids: Sequence[int] | Any = None,
     canvas_attention_mask: Any = None,
     acceptance: AcceptanceRule | None = None,
@@ -94,12 +98,14 @@ def generate_stream(
 
   Args:
     model: a `DiffusionGemma`.
-    requests: prompts (`[P]` id sequences) or `StreamRequest`s; read lazily, one per free slot.
+    requests: prompts (`[P]` id sequences) or `StreamRequest`s; read lazily, `batch_size` at a time (each block
+      is validated and encoded when the previous one has been taken into slots).
     config: a `SamplingConfig` (as `generate`).
     rng: a `jax.random` key; request `i` without its own key uses `fold_in(rng, i)`.
     batch_size: slots (rows per compiled step).
     prompt_length: every prompt is left-padded to it (None: the first prompt's length); a longer one is an error.
-    chunk_steps: denoising steps per compiled chunk (finished rows are refilled between chunks).
+    chunk_steps: at most this many denoising steps per compiled call (None: no limit). A call also ends after
+      the step that finishes a row while a prompt (or the row's next canvas) is waiting, which is then started.
     allowed_token_ids / canvas_attention_mask / acceptance: as `generate` (the same for every row;
       `canvas_attention_mask` with a leading dimension of 1).
 
@@ -108,8 +114,9 @@ def generate_stream(
   """
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} is invalid: must be an integer >= 1")
-  if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
-    raise ValueError(f"chunk_steps={chunk_steps!r} is invalid: must be an integer >= 1")
+  if chunk_steps is not None and (isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int)
+                                  or chunk_steps < 1):
+    raise ValueError(f"chunk_steps={chunk_steps!r} is invalid: must be None or an integer >= 1")
   if canvas_attention_mask is not None and np.shape(canvas_attention_mask)[0] != 1:
     raise ValueError(f"canvas_attention_mask has shape {np.shape(canvas_attention_mask)}: generate_stream needs "
                      f"one structure for every row (leading dimension 1)")
@@ -123,24 +130,38 @@ def generate_stream(
                    acceptance=acceptance)
   static = dataclasses.replace(shared.static, has_pins=True)  # all-False pins change nothing
   run = _Runner(model, shared, static, batch_size, width)
-  pending = [first]
+  pending = itertools.chain([first], items)
+  staged: collections.deque[tuple[int, _Slot]] = collections.deque()  # (staging cache row, the row to be)
+  exhausted = False
   slots: list[_Slot | None] = [None] * batch_size
+  max_steps = chunk_steps if chunk_steps is not None else 2**31 - 1
   while True:
-    new_prompt = np.zeros(batch_size, bool)
+    new_prompt = np.zeros(batch_size, bool)  # [B] slots that start a prompt
+    to_copy = np.zeros(batch_size, bool)  # [B] of those, the ones whose staged cache row is not copied yet
+    source = np.zeros(batch_size, np.int32)  # [B] their row in the staging cache
     for i in range(batch_size):
-      if slots[i] is None:
-        item = pending.pop() if pending else next(items, None)
-        if item is None:
-          continue
-        slots[i] = _Slot(index=item[0], key=_row_key(item[1], rng, item[0]),
-                         request=_validate(model, item[1], shared.config, width, rng))
-        new_prompt[i] = True
+      if slots[i] is not None:
+        continue
+      if not staged and not exhausted:
+        run.take_staged(slots, to_copy, source)  # rows taken from the block about to be replaced: copy them first
+        to_copy[:] = False
+        block = [_Slot(index=j, key=_row_key(r, rng, j), request=_validate(model, r, shared.config, width, rng))
+                 for j, r in itertools.islice(pending, batch_size)]
+        exhausted = len(block) < batch_size
+        staged.extend(enumerate(block))
+        run.stage(block)
+      if not staged:
+        continue
+      source[i], slots[i] = staged.popleft()
+      new_prompt[i] = to_copy[i] = True
     if not any(s is not None for s in slots):
       return
-    run.encode_prompts(slots, new_prompt)
+    run.take_staged(slots, to_copy, source)
     run.encode_canvases(slots, run.continuing)
     starting = new_prompt | run.continuing
-    done, argmax, forwards = run.chunk(slots, starting, chunk_steps)
+    # a waiting prompt or a next canvas: return as soon as a row finishes, so its slot is busy again at once
+    waiting = bool(staged) or not exhausted or shared.num_canvases > 1
+    done, argmax, forwards = run.chunk(slots, starting, max_steps, waiting)
     run.continuing = np.zeros(batch_size, bool)
     for i, slot in enumerate(slots):
       if slot is None or not done[i]:
@@ -212,7 +233,9 @@ class _Runner:
     canvas = shared.canvas_length
     self.bucket = shared.config.bucket_prompt_length(width)
     self.cache = _placed_like(self.state, model.init_cache(batch, self.bucket + (shared.num_canvases - 1) * canvas))
+    self.staging = _placed_like(self.state, model.init_cache(batch, self.bucket))  # prompts encoded ahead
     self.encode = programs.encode_rows_program(graphdef)
+    self.copy = programs.copy_rows_program()
     self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
     self.rows = _placed_like(self.state, rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype,
                                                               static.stability_threshold))
@@ -223,20 +246,30 @@ class _Runner:
     self.structure = shared.structure if shared.structure is not None else jnp.ones((1, 1, 1, 1), bool)
     self.scalars = DenoiseScalars.of(shared.config, 0)
 
-  def encode_prompts(self, slots: list[_Slot | None], which: np.ndarray) -> None:
-    """Empties the cache rows of `which` and encodes their prompts (padded after the tokens to the bucket)."""
-    if not which.any():
+  def stage(self, block: list[_Slot]) -> None:
+    """Encodes the prompts of `block` (at most `batch` rows; row `j` = `block[j]`, padded after the tokens to the
+    bucket) into the staging cache, in one encoder pass of the batch's shape."""
+    if not block:
       return
     ids = np.zeros((self.batch, self.bucket), np.int32)
     mask = np.zeros((self.batch, self.bucket), bool)
     lengths = np.zeros(self.batch, np.int32)
-    for i in np.flatnonzero(which):
-      request = slots[i].request
+    for j, slot in enumerate(block):
+      request = slot.request
       p = request.prompt_length
-      ids[i, :p], mask[i, :p] = request.input_ids[0], request.attention_mask[0]
-      lengths[i] = slots[i].length = p
-    self.cache = self.encode(self.state, self.cache, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(lengths),
-                             jnp.asarray(which), jnp.asarray(which))
+      ids[j, :p], mask[j, :p] = request.input_ids[0], request.attention_mask[0]
+      lengths[j] = p
+    which = jnp.asarray(np.arange(self.batch) < len(block))
+    self.staging = self.encode(self.state, self.staging, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(lengths),
+                               which, which)
+
+  def take_staged(self, slots: list[_Slot | None], which: np.ndarray, source: np.ndarray) -> None:
+    """Slot `i` of `which` gets the staging cache's row `source[i]` (its prompt); the other slots are unchanged."""
+    if not which.any():
+      return
+    for i in np.flatnonzero(which):
+      slots[i].length = slots[i].request.prompt_length
+    self.cache = self.copy(self.cache, self.staging, jnp.asarray(source), jnp.asarray(which))
 
   def encode_canvases(self, slots: list[_Slot | None], which: np.ndarray) -> None:
     """Appends the last committed canvas of the rows `which` to their cache rows."""
@@ -251,10 +284,10 @@ class _Runner:
     self.cache = self.encode(self.state, self.cache, jnp.asarray(ids), jnp.ones((self.batch, c), bool),
                              jnp.asarray(lengths), jnp.asarray(which), jnp.zeros(self.batch, bool))
 
-  def chunk(self, slots: list[_Slot | None], starting: np.ndarray,
-            max_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Starts the canvases of `starting`, runs up to `max_steps` steps; returns (done [B], argmax [B, C], forwards
-    [B]) on the host."""
+  def chunk(self, slots: list[_Slot | None], starting: np.ndarray, max_steps: int,
+            stop_on_finish: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Starts the canvases of `starting`, runs up to `max_steps` steps (with `stop_on_finish`, until a row
+    finishes); returns (done [B], argmax [B, C], forwards [B]) on the host."""
     key_data = np.zeros((self.batch,) + self._key_shape(), np.uint32)
     use_seed = np.zeros(self.batch, bool)
     active = np.array([s is not None for s in slots])
@@ -266,7 +299,7 @@ class _Runner:
     self.rows = self.denoise(self.state, self.cache, self.rows, jnp.asarray(starting), jnp.asarray(key_data),
                              jnp.asarray(self.seed), jnp.asarray(use_seed), jnp.asarray(self.pins),
                              jnp.asarray(active), self.allowed, self.structure, self.scalars, self.shared.rule_arg,
-                             jnp.asarray(max_steps, jnp.int32))
+                             jnp.asarray(max_steps, jnp.int32), jnp.asarray(stop_on_finish))
     done = np.asarray(self.rows.done)
     if not (done & active).any():
       return done, np.zeros((self.batch, self.shared.canvas_length), np.int32), np.zeros(self.batch, np.int32)
