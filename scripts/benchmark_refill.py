@@ -58,8 +58,8 @@ def timed(fn) -> tuple[Any, float]:
   return out, time.perf_counter() - t0
 
 
-def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int | None, allowed=None, seed: int = 0,
-            score=None, repeats: int = 3) -> dict[str, Any]:
+def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps: int | None, allowed=None,
+            seed: int = 0, score=None, repeats: int = 3) -> dict[str, Any]:
   """Both loops over every example, `repeats` times in alternation (after one untimed pass over one batch's worth
   of examples, which compiles both); tokens/s is each loop's median."""
   keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(ids.shape[0]))

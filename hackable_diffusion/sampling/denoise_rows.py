@@ -111,8 +111,9 @@ def make_denoise_rows(graphdef: nnx.GraphDef, static: DenoiseStatic, key_impl: s
   active [B], allowed [B, V], structure, scalars, rule, max_steps [], stop_on_finish [] bool, call_id) -> RowState`:
   starts the `reset` rows (`start_rows`, keys `wrap_key_data(key_data, impl=key_impl)`), then takes up to
   `max_steps` steps while some row is not done; with `stop_on_finish`, it also returns after the first step that
-  finishes a row (so a serving loop can refill that slot at once). `rows=None`: every slot starts empty (a fresh batch). `on_step` (with `static.has_callback`)
-  after every step, given the step the live rows took (the largest, when rows started at different times).
+  finishes a row (so a serving loop can refill that slot at once). `rows=None`: every slot starts empty (a fresh
+  batch). `on_step` (with `static.has_callback`) after every step, given the step the live rows took (the largest,
+  when rows started at different times).
   """
 
   def run(state, cache, rows: RowState | None, reset, key_data, seed_canvas, use_seed, pinned, active, allowed,

@@ -128,9 +128,10 @@ def test_many_prompts_through_few_slots(model):
   fixed = hd.generate(model, many, sampling, rng=_keys(rng, 20))
   outs = list(generate_stream(model, list(many), sampling, rng=rng, batch_size=4))
   assert sorted(o.index for o in outs) == list(range(20))
+  sequences, steps = np.asarray(fixed.sequences), np.asarray(fixed.denoising_steps)
   for o in outs:
-    np.testing.assert_array_equal(o.sequence, np.asarray(fixed.sequences)[o.index, :len(o.sequence)])
-    np.testing.assert_array_equal(o.denoising_steps, np.asarray(fixed.denoising_steps)[o.index, :len(o.denoising_steps)])
+    np.testing.assert_array_equal(o.sequence, sequences[o.index, :len(o.sequence)])
+    np.testing.assert_array_equal(o.denoising_steps, steps[o.index, :len(o.denoising_steps)])
 
 
 def test_a_row_does_not_depend_on_its_batch(model, prompts):
