@@ -155,6 +155,20 @@ def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: Sa
   return seeded
 
 
+# the settings that decide what a run samples (besides its step cap and early stopping), recorded in its report entry
+SAMPLER_FIELDS = ("t_min", "t_max", "entropy_bound", "confidence_threshold", "stability_threshold", "acceptance",
+                  "self_conditioning")
+
+
+def sampler_fields(sampling: SamplingConfig) -> dict[str, Any]:
+  """`SAMPLER_FIELDS` of `sampling` (JSON-ready; an infinite entropy bound is written as the string 'inf')."""
+  out = {name: getattr(sampling, name) for name in SAMPLER_FIELDS}
+  if out["entropy_bound"] == float("inf"):
+    out["entropy_bound"] = "inf"
+  out["acceptance_args"] = dict(sampling.acceptance_args)
+  return out
+
+
 def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
                      rng: jax.Array, mesh: Mesh | None = None) -> list[str]:
   """The first example's argmax canvas after every denoising step, decoded (batch 1 - on a mesh padded to its
@@ -259,8 +273,9 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
   trajectory's included.
 
   Returns the report: `{'step', 'task', 'primary_metric', 'num_examples', 'runs': [{'name',
-  'max_denoising_steps', 'early_stopping', 'metrics', 'mean_denoising_steps', 'tokens_per_forward',
-  'seconds'}...], 'samples': [...]}` (samples: prompt / target / prediction of the early-stopping run).
+  'max_denoising_steps', 'early_stopping', 'ablation', 'sampling' (`sampler_fields`), 'metrics',
+  'mean_denoising_steps', 'tokens_per_forward', 'seconds'}...], 'samples': [...]}` (samples: prompt / target /
+  prediction of the early-stopping run).
   """
   if len(data) == 0:
     raise DataError("evaluation data holds no example")
@@ -277,6 +292,7 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
     seconds = time.perf_counter() - t0
     report["runs"].append({"name": run.name, "max_denoising_steps": run.sampling.max_denoising_steps,
                            "early_stopping": run.sampling.early_stopping, "ablation": run.ablation,
+                           "sampling": sampler_fields(run.sampling),
                            "metrics": metrics, **stats, "seconds": round(seconds, 3)})
     if run.ablation is None:
       samples = texts
@@ -369,6 +385,6 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
   return lines
 
 
-__all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "ablation_runs",
-           "batch_rows", "eval_runs", "generate_texts", "trajectory_texts",
+__all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "SAMPLER_FIELDS",
+           "ablation_runs", "batch_rows", "eval_runs", "generate_texts", "sampler_fields", "trajectory_texts",
            "load_eval_data", "plot_report", "run_evaluation", "summary_lines", "write_report"]

@@ -13,6 +13,7 @@ from hackable_diffusion.data import SFTDataConfig, train_tokenizer
 from hackable_diffusion.evaluation import loop
 from hackable_diffusion.model.config import ConfigError, get_preset
 from hackable_diffusion.model.transformer import init_model
+from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.tasks.base import BaseTask, get_task
 from hackable_diffusion.tasks.text import DigitsTask, TextTask
 from hackable_diffusion.training.config import EvalSection
@@ -72,7 +73,8 @@ def test_load_eval_data(setup):
 
 def test_run_evaluation_report_and_plot(setup):
   tmp, tok, model, data = setup
-  runs = loop.eval_runs(EvalSection(step_budgets=(2, 4), early_stopping_steps=4), max_new_tokens=8)
+  sampler = SamplingConfig(t_min=0.9, t_max=1.1, confidence_threshold=0.07)  # not the defaults
+  runs = loop.eval_runs(EvalSection(step_budgets=(2, 4), early_stopping_steps=4, sampling=sampler), max_new_tokens=8)
   out = str(tmp / "out")
   report = loop.run_evaluation(model, tok, data, TextTask(), runs, batch_size=3, step=11, out_dir=out,
                                num_samples=2)
@@ -80,9 +82,16 @@ def test_run_evaluation_report_and_plot(setup):
   assert [r["name"] for r in report["runs"]] == ["steps_2", "steps_4", "early_stopping"]
   assert report["runs"][0]["mean_denoising_steps"] == 2.0
   assert 0.0 <= report["runs"][1]["metrics"]["char_accuracy"] <= 1.0
+  # every run records the sampler it ran with (temperature, acceptance, early-stopping threshold, ...)
+  for r in report["runs"]:
+    assert r["sampling"]["t_min"] == 0.9 and r["sampling"]["t_max"] == 1.1
+    assert r["sampling"]["confidence_threshold"] == 0.07
+    assert r["sampling"]["self_conditioning"] is True and r["sampling"]["acceptance"] == "entropy_bound"
   assert len(report["samples"]) == 2
   with open(os.path.join(out, "report_step_11.json")) as f:
-    assert json.load(f)["runs"][0]["name"] == "steps_2"  # strict JSON
+    written = json.load(f)  # strict JSON
+  assert written["runs"][0]["name"] == "steps_2"
+  assert written["runs"][2]["sampling"] == report["runs"][2]["sampling"]
   png = os.path.join(out, "accuracy_vs_steps_step_11.png")
   with open(png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
