@@ -13,12 +13,17 @@ output directory is checked for writability first: a read-only run is a one-line
 
 from __future__ import annotations
 
-import os
+from hackable_diffusion import hugepages
 
-from absl import flags
+if __name__ == "__main__":  # before JAX is imported (through cli below): huge pages for malloc
+  hugepages.reexec_with_malloc_hugepages()
 
-from hackable_diffusion import cli
-from hackable_diffusion.errors import ConfigError
+import os  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from hackable_diffusion import cli  # noqa: E402
+from hackable_diffusion.errors import ConfigError  # noqa: E402
 
 # --config is defined by the flags parser: from --config=FILE, or from <workdir>/config.json when absent.
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")

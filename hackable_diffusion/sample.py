@@ -41,15 +41,20 @@ The completion goes to stdout (a Sudoku answer as a grid and its verdict), stati
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Sequence
-from typing import Any
+from hackable_diffusion import hugepages
 
-from absl import flags
+if __name__ == "__main__":  # before JAX is imported (through cli below): huge pages for malloc
+  hugepages.reexec_with_malloc_hugepages()
 
-from hackable_diffusion import cli
-from hackable_diffusion.errors import ConfigError
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from hackable_diffusion import cli  # noqa: E402
+from hackable_diffusion.errors import ConfigError  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by hackable_diffusion.train.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A HF DiffusionGemma directory or Hub id (instead of "

@@ -10,13 +10,18 @@ tensorboard/ and eval/ (see docs/training.md).
 
 from __future__ import annotations
 
-import os
+from hackable_diffusion import hugepages
 
-from absl import flags
-from ml_collections import config_flags
+if __name__ == "__main__":  # before JAX is imported (through cli below): huge pages for malloc
+  hugepages.reexec_with_malloc_hugepages()
 
-from hackable_diffusion import cli
-from hackable_diffusion.errors import ConfigError
+import os  # noqa: E402
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from hackable_diffusion import cli  # noqa: E402
+from hackable_diffusion.errors import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); override any "
                                           "key with --config.section.key=value.", lock_config=True)

@@ -351,4 +351,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  from hackable_diffusion import hugepages
+
+  hugepages.reexec_with_malloc_hugepages()  # as the CLIs do (HD_MALLOC_HUGEPAGES=0: without)
   sys.exit(main())
