@@ -22,6 +22,7 @@ failure (logged from its background threads) are dropped unless absl logs at INF
 
 from __future__ import annotations
 
+import errno
 import logging as py_logging
 import os
 import re
@@ -53,6 +54,9 @@ def _os_cause(e: BaseException) -> OSError | None:
   return None
 
 
+_QUOTED_OS_ERRORS = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO))
+
+
 def one_line_error(e: BaseException) -> str:
   """`Type: message` on one line, at most ~300 characters of the message; the OS error that caused it (e.g.
   `[Errno 28] No space left on device`) is always named, even when a long message (paths) would cut it off."""
@@ -62,7 +66,8 @@ def one_line_error(e: BaseException) -> str:
     reason = f"[Errno {cause.errno}] {cause.strerror or os.strerror(cause.errno)}"
   else:  # an OS error quoted inside the message of a wrapper exception
     found = re.search(r"\[Errno \d+\] [^:'\"\]\)]+", text)
-    reason = found.group(0).strip() if found else ""
+    # tensorstore quotes the OS error without its number ('Failed writing: "PATH": No space left on device')
+    reason = found.group(0).strip() if found else next((r for r in _QUOTED_OS_ERRORS if r in text), "")
   if len(text) > 300:
     text = text[:300] + "..."
   if reason and reason.split("] ", 1)[-1] not in text:

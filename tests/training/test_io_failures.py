@@ -266,6 +266,9 @@ def test_a_long_error_message_still_names_the_os_error():
   assert checkpointing.one_line_error(ValueError("bad\nvalue")) == "ValueError: bad value"
   quoted = checkpointing.one_line_error(ValueError("z" * 400 + " [Errno 28] No space left on device: '/tmp/a'"))
   assert quoted.endswith("... ([Errno 28] No space left on device)"), quoted  # quoted by a wrapper, cut off
+  store = checkpointing.one_line_error(ValueError("RESOURCE_EXHAUSTED: Failed writing: \"/" + "p" * 400
+                                                  + "/_sharding\": No space left on device"))  # tensorstore's form
+  assert store.endswith("... (No space left on device)"), store
 
 
 def test_first_save_failing_says_no_checkpoint_was_kept(tmp_path, monkeypatch, state):
