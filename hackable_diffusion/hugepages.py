@@ -10,7 +10,7 @@ re-executes itself (same interpreter, same arguments, same PID) before importing
 
 Nothing happens when the tunable would change nothing or the user already chose: not Linux, not glibc >= 2.35,
 transparent huge pages `always` or `never` (or unreadable), `GLIBC_TUNABLES` already naming
-`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` in the environment (the opt-out). The Python API never
+`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` (or false / no / off) in the environment (the opt-out). The Python API never
 re-executes anything; set the variable before starting Python to get the same effect there:
 
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python my_script.py
@@ -24,7 +24,8 @@ import sys
 from collections.abc import Mapping
 
 TUNABLE = "glibc.malloc.hugetlb"
-OPT_OUT_ENV = "HD_MALLOC_HUGEPAGES"  # "0": never re-execute
+OPT_OUT_ENV = "HD_MALLOC_HUGEPAGES"  # "0" (or false / no / off): never re-execute
+OPT_OUT_VALUES = ("0", "false", "no", "off")
 THP_ENABLED_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # the first glibc with the glibc.malloc.hugetlb tunable
 
@@ -59,7 +60,7 @@ def with_hugetlb(tunables: str | None) -> str:
 
 def should_reexec(env: Mapping[str, str], *, system: str, libc: tuple[str, str], thp: str | None) -> bool:
   """Whether re-executing with the tunable would turn on huge pages for malloc that the process does not have."""
-  if env.get(OPT_OUT_ENV, "").strip() == "0" or TUNABLE in env.get("GLIBC_TUNABLES", ""):
+  if env.get(OPT_OUT_ENV, "").strip().lower() in OPT_OUT_VALUES or TUNABLE in env.get("GLIBC_TUNABLES", ""):
     return False
   version = glibc_version(libc)
   return system == "Linux" and version is not None and version >= MIN_GLIBC and thp == "madvise"
@@ -79,5 +80,5 @@ def reexec_with_malloc_hugepages() -> None:
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-__all__ = ["MIN_GLIBC", "OPT_OUT_ENV", "THP_ENABLED_PATH", "TUNABLE", "glibc_version", "reexec_with_malloc_hugepages",
+__all__ = ["MIN_GLIBC", "OPT_OUT_ENV", "OPT_OUT_VALUES", "THP_ENABLED_PATH", "TUNABLE", "glibc_version", "reexec_with_malloc_hugepages",
            "should_reexec", "thp_mode", "with_hugetlb"]

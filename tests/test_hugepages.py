@@ -15,10 +15,13 @@ LINUX = dict(system="Linux", libc=("glibc", "2.36"), thp="madvise")
 
 def test_reexecs_only_where_the_tunable_changes_something():
   assert hugepages.should_reexec({}, **LINUX)
+  assert hugepages.should_reexec({hugepages.OPT_OUT_ENV: "1"}, **LINUX)
   assert hugepages.should_reexec({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **LINUX)
   assert hugepages.should_reexec({}, **{**LINUX, "libc": ("glibc", "2.35")})
   refused = [
       ({hugepages.OPT_OUT_ENV: "0"}, {}),  # the user's opt-out
+      ({hugepages.OPT_OUT_ENV: " Off"}, {}),
+      ({hugepages.OPT_OUT_ENV: "false"}, {}),
       ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),  # the user's own choice, whatever it is
       ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}, {}),  # already set: no loop
       ({}, {"libc": ("glibc", "2.34")}),  # no such tunable before 2.35
@@ -119,3 +122,28 @@ def test_the_tunable_cuts_malloc_page_faults_exactly_where_the_clis_reexecute(tm
     assert plain >= (64 << 20) // 4096 // 2 and tuned < plain // 4, (plain, tuned)
   else:  # THP always / never or an old glibc: the tunable would not change much, so the CLIs leave it alone
     assert tuned > plain // 4, (plain, tuned)
+
+
+# Every interpreter start appends its GLIBC_TUNABLES to a log (sitecustomize); the machine's facts are pretended so
+# that the re-exec is due, whatever this machine's kernel says.
+_SITECUSTOMIZE = textwrap.dedent("""
+    import os, platform
+    with open(os.environ["HD_TEST_START_LOG"], "a") as f:
+        f.write(str(os.environ.get("GLIBC_TUNABLES")) + "\\n")
+    platform.system = lambda: "Linux"
+    platform.libc_ver = lambda *a, **k: ("glibc", "2.36")
+    from hackable_diffusion import hugepages
+    hugepages.thp_mode = lambda path=None: "madvise"
+""")
+
+
+def test_every_cli_reexecutes_before_it_runs(tmp_path):
+  (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+  base_env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.OPT_OUT_ENV)}
+  for cli in ("train", "evaluate", "sample"):
+    log = tmp_path / f"{cli}.log"
+    env = {**base_env, "HD_TEST_START_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), base_env.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", f"hackable_diffusion.{cli}", "--helpshort"], env=env, capture_output=True,
+                   timeout=120, check=True)
+    assert log.read_text().splitlines() == ["None", "glibc.malloc.hugetlb=1"], cli  # started twice, tunable second

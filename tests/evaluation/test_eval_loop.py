@@ -206,3 +206,9 @@ def test_padding_rows_do_not_change_a_row(setup):
                   attention_mask=loop._pad_rows(mask, 4))
   np.testing.assert_array_equal(np.asarray(four.sequences)[:3], np.asarray(three.sequences))
   np.testing.assert_array_equal(np.asarray(four.denoising_steps)[:3], np.asarray(three.denoising_steps))
+
+
+def test_sampler_fields_are_strict_json_with_an_infinite_bound():
+  fields = loop.sampler_fields(SamplingConfig(entropy_bound=float("inf"), t_min=0.5))
+  assert fields["entropy_bound"] == "inf" and fields["t_min"] == 0.5
+  assert json.loads(json.dumps(fields, allow_nan=False)) == fields  # what write_report's strict JSON needs
