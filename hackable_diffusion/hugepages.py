@@ -10,8 +10,8 @@ re-executes itself (same interpreter, same arguments, same PID) before importing
 
 Nothing happens when the tunable would change nothing or the user already chose: not Linux, not glibc >= 2.35,
 transparent huge pages `always` or `never` (or unreadable), `GLIBC_TUNABLES` already naming
-`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` (or false / no / off) in the environment (the opt-out). The Python API never
-re-executes anything; set the variable before starting Python to get the same effect there:
+`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` (or false / no / off) in the environment (the opt-out).
+The Python API never re-executes anything; set the variable before starting Python to get the same effect there:
 
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python my_script.py
 """
@@ -80,5 +80,5 @@ def reexec_with_malloc_hugepages() -> None:
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-__all__ = ["MIN_GLIBC", "OPT_OUT_ENV", "OPT_OUT_VALUES", "THP_ENABLED_PATH", "TUNABLE", "glibc_version", "reexec_with_malloc_hugepages",
-           "should_reexec", "thp_mode", "with_hugetlb"]
+__all__ = ["MIN_GLIBC", "OPT_OUT_ENV", "OPT_OUT_VALUES", "THP_ENABLED_PATH", "TUNABLE", "glibc_version",
+           "reexec_with_malloc_hugepages", "should_reexec", "thp_mode", "with_hugetlb"]
