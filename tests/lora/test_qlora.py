@@ -266,10 +266,12 @@ def test_merge_equals_merge_of_the_dequantized_base(base, quantized):
         weights[(*path, name)] = weights[(*path, name)] + m.scale * np.einsum("eir,ero->eoi", a, b)
   for path, expected in weights.items():
     np.testing.assert_allclose(_weight(merged, path), expected, rtol=1e-6, atol=1e-7, err_msg=str(path))
-  # every other variable is the base's, and the merged model computes what the adapted quantized one does
+  # every other variable is the base's, and the merged model computes what the adapted quantized one does: up to fp32
+  # rounding through the layers (W + s*AB summed once vs Wx + s*B(Ax); measured up to 2.2e-5 on outputs of magnitude
+  # ~0.4, nvfp4), while the adapters move the outputs by ~0.67, so a merge that dropped or mis-scaled them fails
   ids, canvas, sc = _inputs(1)
   np.testing.assert_allclose(np.asarray(forward(merged, ids, canvas, self_conditioning_logits=sc)),
-                             np.asarray(forward(model, ids, canvas, self_conditioning_logits=sc)), rtol=0, atol=2e-5)
+                             np.asarray(forward(model, ids, canvas, self_conditioning_logits=sc)), rtol=0, atol=1e-4)
   assert {p for p, _ in nnx.to_flat_state(nnx.state(merged))} == {p for p, _ in nnx.to_flat_state(nnx.state(base))}
 
 
