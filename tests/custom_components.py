@@ -2,7 +2,7 @@
 
 tests/conftest.py puts this directory on `sys.path`, so the specs below import in any pytest import mode:
 - task: 'custom_components:OneDigitTask' (through `hackable_diffusion.tasks.base.get_task`);
-- attention structure: 'custom_components:self_only' (and broken ones) for `ModelConfig.attention_structure`;
+- attention structure: 'custom_components:self_only', one over the prompt too (and broken ones) for `ModelConfig.attention_structure`;
 - loss term: 'custom_components:DoubledFlat' for `LossConfig(variant=...)` / `diffusion.loss_variant`.
 """
 
@@ -45,6 +45,14 @@ def not_a_task():
 def self_only(config) -> np.ndarray:
   """[1, C, C]: each canvas position attends only to itself (and the prompt)."""
   return np.eye(config.canvas_length, dtype=bool)[None]
+
+
+def self_only_with_prompt_slot(config) -> np.ndarray:
+  """[1, C, 4 + C]: canvas position i attends only to itself and, for i < 4, to prompt slot i (i >= 4: no slot)."""
+  c = config.canvas_length
+  prompt = np.zeros((c, 4), bool)
+  prompt[np.arange(4), np.arange(4)] = True
+  return np.concatenate([prompt, np.eye(c, dtype=bool)], axis=1)[None]
 
 
 def empty_row(config) -> np.ndarray:

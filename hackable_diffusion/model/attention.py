@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model import layers
 from hackable_diffusion.model.config import SLIDING, ModelConfig
 
@@ -402,10 +403,15 @@ class Attention(nnx.Module):
 
   def decode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, prefix_mask: Array,
              canvas_mask: Array | None) -> Array:
-    """Bidirectional attention over cache + canvas; never writes. prefix_mask [B, S]; canvas_mask [B|1, N|1, C, C]."""
+    """Bidirectional attention over cache + canvas; never writes.
+
+    prefix_mask [B, S]; canvas_mask [B|1, N|1, C, P + C] (task structure, `structure.canvas_mask`): its last C
+    columns restrict canvas-to-canvas attention, its first P (often 0) the first P cache slots.
+    """
     b, c, _ = x.shape
     q, k, v = self.qkv(x, cos, sin)
-    if prefix_band_pays(cache_k.shape[1], self.window):  # read the window's slots only (+1: an even key length)
+    p = 0 if canvas_mask is None else canvas_mask.shape[-1] - c
+    if p == 0 and prefix_band_pays(cache_k.shape[1], self.window):  # read the window's slots only (+1: even keys)
       span = self.window - 1 + (self.window - 1 + c) % 2
       cache_k, cache_v, prefix_mask = sliding_prefix(cache_k, cache_v, prefix_mask, self.window, span)
     keys = jnp.concatenate([cache_k.astype(self.dtype), k], axis=1)
@@ -414,8 +420,12 @@ class Attention(nnx.Module):
       mask = jnp.concatenate([prefix_mask, jnp.ones((b, c), bool)], axis=1)[:, None, :]  # [B, 1, S+C]
       mask = jnp.broadcast_to(mask, (b, c, mask.shape[-1]))
     else:
-      n = self.num_heads
-      prefix = jnp.broadcast_to(prefix_mask[:, None, None, :], (b, n, c, prefix_mask.shape[1]))
-      mask = jnp.concatenate([prefix, jnp.broadcast_to(canvas_mask, (b, n, c, c))], axis=-1)
+      n, s = self.num_heads, prefix_mask.shape[1]
+      if p > s:
+        raise ConfigError(f"the attention structure constrains {p} prompt slots but the cache holds {s}")
+      prefix = jnp.broadcast_to(prefix_mask[:, None, None, :], (b, n, c, s))
+      if p:  # [B|1, N|1, C, P] structure over the first P slots; the rest of the cache as the prefix mask says
+        prefix = prefix & jnp.pad(canvas_mask[..., :p], [(0, 0)] * 3 + [(0, s - p)], constant_values=True)
+      mask = jnp.concatenate([prefix, jnp.broadcast_to(canvas_mask[..., p:], (b, n, c, c))], axis=-1)
     out = attend(q, keys, values, mask, self.dtype)
     return self.o_proj(out.reshape(b * c, -1)).reshape(b, c, -1)

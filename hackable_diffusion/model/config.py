@@ -115,7 +115,7 @@ class ModelConfig:
   # Run the layers as one scan over their attention pattern (model/scan.py): a run (trainer, CLIs, hd.SFTTrainer)
   # stacks its model after loading and adding adapters; a model built by hand: `scan.stack_layers(model)`.
   scan_layers: bool = False
-  # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, C] bool mask, e.g.
+  # A task's canvas attention structure: 'package.module:function' returning a [heads|1, C, P + C] bool mask, e.g.
   # 'hackable_diffusion.tasks.sudoku.structure:peer_mask' (see model/structure.py); None = plain attention.
   attention_structure: str | None = None
 

@@ -4,12 +4,14 @@ Not part of the reference architecture (a model using one cannot be exported to 
 budgets it decides results on structured tasks: a Sudoku denoiser whose heads only see each cell's
 row/column/box peers learns an order of magnitude faster than one with plain attention (see the Sudoku issue).
 
-A structure is a function `(config: ModelConfig) -> bool array [heads or 1, canvas, canvas]` (True = may attend)
-living in any importable module; `ModelConfig.attention_structure` names it as 'package.module:function' (e.g.
+A structure is a function `(config: ModelConfig) -> bool array [heads or 1, canvas, P + canvas]` (True = may
+attend) living in any importable module; the last `canvas` columns restrict canvas-to-canvas attention, the first
+`P` (none by default) the canvas's view of the first `P` cache slots (the prompt, when every prompt has the same
+fixed layout, as a Sudoku grid does); `ModelConfig.attention_structure` names it as 'package.module:function' (e.g.
 'hackable_diffusion.tasks.sudoku.structure:peer_mask', what `SudokuTask().attention_structure()` returns). The
 model knows no task: the spec is imported on use and its result validated (shape, no position left without a key).
-The decoder applies the mask to canvas-to-canvas attention in every layer; the cached prefix (prompt) stays fully
-visible.
+The decoder applies the mask in every layer; cache slots past `P` (and all of them when `P` is 0) stay visible as
+the prompt's own mask says.
 """
 
 from __future__ import annotations
@@ -53,20 +55,20 @@ def get_structure(spec: str) -> StructureFn:
 
 
 def canvas_mask(config: Any) -> np.ndarray | None:
-  """The `[1, heads|1, C, C]` bool mask of `config.attention_structure` (None when the model has none).
+  """The `[1, heads|1, C, P + C]` bool mask of `config.attention_structure` (None when the model has none).
 
-  `config` is the `ModelConfig`; a one-line `ConfigError` when the function's result is not `[1 or heads, C, C]`
-  or leaves a canvas position with no key to attend to.
+  `config` is the `ModelConfig`; a one-line `ConfigError` when the function's result is not `[1 or heads, C, P + C]`
+  or leaves a canvas position with no canvas key to attend to.
   """
   spec = config.attention_structure
   if spec is None:
     return None
   mask = np.asarray(get_structure(spec)(config), bool)
   c, h = config.canvas_length, config.num_attention_heads
-  if mask.ndim != 3 or mask.shape[1:] != (c, c) or mask.shape[0] not in (1, h):
-    raise ConfigError(f"{FIELD}={spec!r} returned shape {mask.shape}; expected (1 or {h}, {c}, {c})")
-  if not mask.any(axis=-1).all():
-    raise ConfigError(f"{FIELD}={spec!r} leaves a canvas position with no key")
+  if mask.ndim != 3 or mask.shape[1] != c or mask.shape[2] < c or mask.shape[0] not in (1, h):
+    raise ConfigError(f"{FIELD}={spec!r} returned shape {mask.shape}; expected (1 or {h}, {c}, P + {c}) with P >= 0")
+  if not mask[..., -c:].any(axis=-1).all():
+    raise ConfigError(f"{FIELD}={spec!r} leaves a canvas position with no canvas key")
   return mask[None]
 
 

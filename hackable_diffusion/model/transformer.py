@@ -238,8 +238,9 @@ class DiffusionGemma(nnx.Module):
 
     self_conditioning_logits [B, C, V]: the previous step's logits (None: zero soft embedding, i.e. SC off).
     self_conditioning_mask [B] bool: rows where False get a zero soft embedding.
-    canvas_attention_mask [B|1, N|1, C, C] bool: optional task structure restricting canvas-to-canvas attention
-    (not part of the reference architecture; see `hackable_diffusion.model.structure`).
+    canvas_attention_mask [B|1, N|1, C, P + C] bool: optional task structure restricting canvas-to-canvas attention
+    and, with P > 0, the canvas's view of the first P cache slots (not part of the reference architecture; see
+    `hackable_diffusion.model.structure`).
     """
     soft = None if self_conditioning_logits is None else self.soft_embeddings(self_conditioning_logits)
     return self.lm_logits(self.decode_hidden(canvas, cache, soft, self_conditioning_mask, canvas_attention_mask))

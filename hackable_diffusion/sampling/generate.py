@@ -105,7 +105,7 @@ def generate(
       are part of the decoder input, are never re-noised, and count as certain: zero entropy).
     allowed_token_ids: ids the sampler may produce (or a `[V]` / `[B, V]` bool mask); logits of other tokens
       are set to the finite `entropy_bound.DISALLOWED_LOGIT`. Pinned tokens are kept even if not allowed.
-    canvas_attention_mask: optional `[B|1, N|1, C, C]` bool task structure passed to `model.decode`.
+    canvas_attention_mask: optional `[B|1, N|1, C, P + C]` bool task structure passed to `model.decode`.
     acceptance: an acceptance rule (`sampling.rules`, e.g. `rules.TopK(8)`) used instead of the config's
       (`config.acceptance_rule()`, by default `EntropyBound(config.entropy_bound)`). Its numeric fields are
       traced: an equal rule, or the same class with other values, reuses the compiled program.

@@ -36,7 +36,7 @@ class Prepared:
   config: the `SamplingConfig`, resolved against the model (eos / pad / canvas length filled in).
   input_ids: `[B, P]` int32. attention_mask: `[B, P]` bool, False on prompt padding.
   seed_canvas: `[B, k * C]` int32 or None. pinned: `[B, k * C]` bool or None (only with a seed canvas).
-  allowed: `[B, V]` bool or None. structure: `[B|1, N|1, C, C]` bool jax array or None.
+  allowed: `[B, V]` bool or None. structure: `[B|1, N|1, C, P + C]` bool jax array or None.
   rule: the acceptance rule; rule_arg: the rule with its leaves as traced-ready arrays (None for a static rule).
   static: the options that select the compiled denoising program.
   """
@@ -262,9 +262,9 @@ def prepare(
   structure = None
   if canvas_attention_mask is not None:
     structure = jnp.asarray(canvas_attention_mask, bool)
-    if structure.ndim != 4 or structure.shape[-2:] != (canvas_len, canvas_len):
+    if structure.ndim != 4 or structure.shape[-2] != canvas_len or structure.shape[-1] < canvas_len:
       raise ValueError(f"canvas_attention_mask has shape {structure.shape}, expected [B|1, N|1, {canvas_len}, "
-                       f"{canvas_len}]")
+                       f"P + {canvas_len}]")
   if callback is not None and not callable(callback):
     raise ValueError(f"callback must be callable, got {type(callback).__name__}")
   rule, rule_arg = _rule(config, acceptance)

@@ -38,9 +38,41 @@ def test_a_structure_defined_outside_the_library_changes_the_logits_as_its_mask_
   assert mask.shape == (1, 1, 8, 8) and (mask[0, 0] == np.eye(8, dtype=bool)).all()
 
 
+def test_a_structure_over_the_prompt_hides_the_prompt_slots_it_masks():
+  """'custom_components:self_only_with_prompt_slot': canvas position i sees itself and, for i < 4, prompt slot i.
+  The encoder is causal, so changing prompt token 2 changes the cached keys/values of slots 2 and 3 (from the
+  second layer on): only canvas positions 2 and 3 move. With the prompt fully visible every position moves."""
+  base = get_preset("tiny", vocab_size=32)
+  prompt_masked = init_model(base.replace(attention_structure="custom_components:self_only_with_prompt_slot"), seed=0)
+  canvas_only = init_model(base.replace(attention_structure="custom_components:self_only"), seed=0)
+  canvas = jnp.asarray([[3, 4, 9, 10, 11, 12, 13, 14]], jnp.int32)
+  prompt = np.asarray([[5, 6, 7, 8]], np.int32)
+  other = prompt.copy()
+  other[0, 2] = 20
+
+  def change(model):
+    a = np.asarray(model(jnp.asarray(prompt), canvas))
+    b = np.asarray(model(jnp.asarray(other), canvas))
+    return np.abs(a - b).max(axis=-1)[0]  # [C]
+
+  moved = change(prompt_masked)
+  assert (moved[[2, 3]] > 1e-3).all()
+  np.testing.assert_array_less(moved[[0, 1, 4, 5, 6, 7]], 1e-5)
+  assert (change(canvas_only) > 1e-4).all()
+  mask = structure.canvas_mask(prompt_masked.config)
+  assert mask.shape == (1, 1, 8, 12) and (mask[0, 0, :, 4:] == np.eye(8, dtype=bool)).all()
+
+
+def test_a_structure_over_more_prompt_slots_than_the_cache_holds_is_a_one_line_error():
+  model = init_model(get_preset("tiny", vocab_size=32, attention_structure="custom_components:self_only_with_prompt_slot"))
+  with pytest.raises(ConfigError, match="constrains 4 prompt slots but the cache holds 3") as err:
+    model(jnp.asarray([[5, 6, 7]], jnp.int32), jnp.zeros((1, 8), jnp.int32))
+  assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("spec,match", [
-    ("custom_components:empty_row", "leaves a canvas position with no key"),
-    ("custom_components:wrong_shape", r"returned shape \(8, 8\); expected \(1 or 4, 8, 8\)"),
+    ("custom_components:empty_row", "leaves a canvas position with no canvas key"),
+    ("custom_components:wrong_shape", r"returned shape \(8, 8\); expected \(1 or 4, 8, P \+ 8\)"),
     ("custom_components:NOT_CALLABLE", "is a str, not a function"),
     ("custom_components:nope", "has no attribute 'nope'"),
     ("no_such_module_xyz:mask", "cannot import no_such_module_xyz"),

@@ -344,6 +344,8 @@ def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
         (dict(allowed_token_ids=[3, 999]), "allowed_token_ids holds token id 999"),
         (dict(allowed_token_ids=np.zeros(VOCAB, bool)), "allows no token for row 0"),
         (dict(allowed_token_ids=np.ones((2, VOCAB), bool)), "allowed_token_ids as a mask must have shape"),
+        (dict(canvas_attention_mask=np.ones((1, 1, CANVAS, CANVAS - 1), bool)),
+         f"expected [B|1, N|1, {CANVAS}, P + {CANVAS}]"),
         (dict(callback=3), "callback must be callable"),
         (dict(rng=7), "rng must be a jax.random key"),
         (dict(config=dict(max_new_tokens=8)), "config must be a SamplingConfig"),

@@ -2,7 +2,8 @@
 
 Named in a model config by spec: `ModelConfig(attention_structure=PEER_MASK)` with
 `PEER_MASK = 'hackable_diffusion.tasks.sudoku.structure:peer_mask'` (what `SudokuTask().attention_structure()`
-returns), or `PER_HEAD_PEER_MASK` for heads that specialise in rows / columns / boxes. See
+returns), `PROMPT_PEER_MASK` to restrict the canvas's view of the prompt grid to the same peers, or
+`PER_HEAD_PEER_MASK` for heads that specialise in rows / columns / boxes. See
 `hackable_diffusion.model.structure` for how the model applies it.
 """
 
@@ -14,6 +15,7 @@ from hackable_diffusion.errors import ConfigError
 
 PEER_MASK = "hackable_diffusion.tasks.sudoku.structure:peer_mask"
 PER_HEAD_PEER_MASK = "hackable_diffusion.tasks.sudoku.structure:per_head_peer_mask"
+PROMPT_PEER_MASK = "hackable_diffusion.tasks.sudoku.structure:prompt_peer_mask"
 
 
 def peer_matrix() -> np.ndarray:
@@ -37,6 +39,16 @@ def peer_mask(config) -> np.ndarray:
   return peer_matrix()[None]
 
 
+def prompt_peer_mask(config) -> np.ndarray:
+  """Every head sees the peers, in the prompt too: [1, 81, 81 + 81] bool.
+
+  Cell i reads prompt cells and canvas cells that are its peers. Needs the prompt to be the 81-character grid at
+  cache slots 0-80 (the Sudoku data: no BOS, no chat template; `data.max_prompt_length=81`).
+  """
+  peers = peer_mask(config)[0]
+  return np.concatenate([peers, peers], axis=1)[None]
+
+
 def per_head_peer_mask(config) -> np.ndarray:
   """Heads cycle through row / column / box / all-peers views: [heads, 81, 81] bool."""
   check_canvas(config)
@@ -47,4 +59,5 @@ def per_head_peer_mask(config) -> np.ndarray:
   return np.stack([views[h % len(views)] for h in range(config.num_attention_heads)])
 
 
-__all__ = ["PEER_MASK", "PER_HEAD_PEER_MASK", "check_canvas", "peer_mask", "peer_matrix", "per_head_peer_mask"]
+__all__ = ["PEER_MASK", "PER_HEAD_PEER_MASK", "PROMPT_PEER_MASK", "check_canvas", "peer_mask", "peer_matrix",
+           "per_head_peer_mask", "prompt_peer_mask"]

@@ -31,9 +31,18 @@ def test_the_task_names_its_structure_and_the_model_applies_it():
   assert (per_head[0, 0] == rows).all() and (per_head[0, 3] == structure.peer_matrix()).all()
 
 
+def test_the_prompt_peer_mask_shows_each_cell_its_peers_in_the_prompt_grid_and_the_canvas():
+  mask = model_structure.canvas_mask(get_preset("sudoku", attention_structure=structure.PROMPT_PEER_MASK))
+  assert mask.shape == (1, 1, 81, 162)
+  peers = structure.peer_matrix()
+  assert (mask[0, 0, :, :81] == peers).all() and (mask[0, 0, :, 81:] == peers).all()
+  assert mask[0, 0, 0, 72] and not mask[0, 0, 0, 30]  # cell 0 sees prompt cell 72 (its column), not cell 30
+
+
 def test_wrong_canvas_and_old_names_are_one_line_errors():
-  with pytest.raises(ConfigError, match="needs canvas_length=81, got 8"):
-    get_preset("tiny", attention_structure=structure.PEER_MASK)
+  for spec in (structure.PEER_MASK, structure.PROMPT_PEER_MASK):
+    with pytest.raises(ConfigError, match="needs canvas_length=81, got 8"):
+      get_preset("tiny", attention_structure=spec)
   for old, new in (("sudoku_peers", structure.PEER_MASK), ("sudoku_peers_per_head", structure.PER_HEAD_PEER_MASK)):
     with pytest.raises(ConfigError, match=f"write '{new}'") as err:
       get_preset("sudoku", attention_structure=old)
