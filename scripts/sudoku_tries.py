@@ -14,6 +14,7 @@ import argparse
 import jax
 import numpy as np
 
+from hackable_diffusion.errors import ConfigError, HackableDiffusionError
 from hackable_diffusion.evaluation import loop
 from hackable_diffusion.tasks.sudoku import metrics
 from hackable_diffusion.training import run as run_lib
@@ -28,6 +29,8 @@ def main() -> None:
   run = run_lib.load_run(args.workdir)
   data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
   task = run_lib.eval_task(run.config)
+  if getattr(task, "name", "") != "sudoku":
+    raise ConfigError(f"{args.workdir}: the run's evaluation task is {getattr(task, 'name', task)!r}, not 'sudoku'")
   canvas = run.model.config.canvas_length
   early_stopping = loop.eval_runs(run.config.eval, canvas)[-1].sampling
   solved = []
@@ -46,4 +49,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except (HackableDiffusionError, OSError) as e:  # a missing workdir, checkpoint or data file: one line
+    raise SystemExit(f"error: {e}") from None

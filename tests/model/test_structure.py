@@ -50,7 +50,7 @@ def test_a_structure_over_the_prompt_hides_the_prompt_slots_it_masks():
   other = prompt.copy()
   other[0, 2] = 20
 
-  def change(model):
+  def change(model):  # reads `prompt` / `other` when called
     a = np.asarray(model(jnp.asarray(prompt), canvas))
     b = np.asarray(model(jnp.asarray(other), canvas))
     return np.abs(a - b).max(axis=-1)[0]  # [C]
@@ -59,6 +59,9 @@ def test_a_structure_over_the_prompt_hides_the_prompt_slots_it_masks():
   assert (moved[[2, 3]] > 1e-3).all()
   np.testing.assert_array_less(moved[[0, 1, 4, 5, 6, 7]], 1e-5)
   assert (change(canvas_only) > 1e-4).all()
+  # slots past the structure's 4 stay visible to every position: a 6-token prompt whose last token changes moves all
+  prompt, other = np.asarray([[5, 6, 7, 8, 9, 10]], np.int32), np.asarray([[5, 6, 7, 8, 9, 20]], np.int32)
+  assert (change(prompt_masked) > 1e-4).all()
   mask = structure.canvas_mask(prompt_masked.config)
   assert mask.shape == (1, 1, 8, 12) and (mask[0, 0, :, 4:] == np.eye(8, dtype=bool)).all()
 
