@@ -46,6 +46,11 @@ class LossConfig:
     (`Factory()` returns a `LossTerm`). schedule: the keep-probability schedule ('linear', 'cosine'). time_eps: `t ~
     U(eps, 1 - eps)`. self_conditioning_prob: per-example probability of a self-conditioned second pass.
     encoder_ar_weight: weight of the encoder's next-token loss (0: the last canvas is not encoded).
+    self_conditioning_passes: decoder passes without gradient before the trained one: 1 (the reference recipe)
+    computes the self-conditioning input without self-conditioning; each further pass feeds the previous pass's
+    logits back as its self-conditioning input (every row), as sampling does from step to step.
+    encoder_gradients: False stops the gradient at the KV cache the encoder writes: the encoder pass runs forward
+    only (no backward), and the shared weights learn through the decoder alone (needs encoder_ar_weight=0).
     logits_tile_mib: the most fp32 logits (MiB) alive at once in the loss: the diffusion term, the encoder's
     next-token term and the self-conditioning input are computed over tiles of positions of at most this size (see
     `hackable_diffusion.model.head`); 0 = never tile. The default, 256 MiB, is one tile at small vocabularies (the
@@ -57,6 +62,8 @@ class LossConfig:
   time_eps: float = 1e-4
   self_conditioning_prob: float = 0.5
   encoder_ar_weight: float = 1.0
+  encoder_gradients: bool = True
+  self_conditioning_passes: int = 1
   logits_tile_mib: float = 256.0
 
   def __post_init__(self):
@@ -71,6 +78,13 @@ class LossConfig:
       raise ConfigError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
     if self.encoder_ar_weight < 0:
       raise ConfigError(f"diffusion.encoder_ar_weight={self.encoder_ar_weight}; expected >= 0")
+    if isinstance(self.self_conditioning_passes, bool) or not isinstance(self.self_conditioning_passes, int) \
+        or self.self_conditioning_passes < 1:
+      raise ConfigError(f"diffusion.self_conditioning_passes={self.self_conditioning_passes!r}; expected an integer "
+                        ">= 1")
+    if not self.encoder_gradients and self.encoder_ar_weight > 0:
+      raise ConfigError(f"diffusion.encoder_gradients=False with encoder_ar_weight={self.encoder_ar_weight}: the "
+                        "encoder's next-token loss would get no gradient (set encoder_ar_weight=0)")
     if not self.logits_tile_mib >= 0:
       raise ConfigError(f"diffusion.logits_tile_mib={self.logits_tile_mib}; expected >= 0 (0 = no tiling)")
 
@@ -325,6 +339,8 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask[:, :context]], axis=1).astype(bool)
   cache = model.init_cache(ids.shape[0], ids.shape[1])
   hidden, cache = model.encode(ids, cache, mask)
+  if not config.encoder_gradients:
+    cache = jax.lax.stop_gradient(cache)  # the encoder runs forward only
   metrics: dict[str, jax.Array] = {}
   if config.encoder_ar_weight > 0:
     ar_hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # [B, W, H]: predicts the completion tokens
@@ -345,8 +361,10 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   schedule = corruption.get_schedule(config.schedule)
   if spec.tile >= c:  # one tile: the logits as they are
     if config.self_conditioning_prob > 0:
-      first = jax.lax.stop_gradient(model.decode(noise.noisy, dec_cache))
-      logits = model.decode(noise.noisy, dec_cache, first, noise.use_sc)
+      first = model.decode(noise.noisy, dec_cache)
+      for _ in range(config.self_conditioning_passes - 1):
+        first = model.decode(noise.noisy, dec_cache, first)
+      logits = model.decode(noise.noisy, dec_cache, jax.lax.stop_gradient(first), noise.use_sc)
     else:
       logits = model.decode(noise.noisy, dec_cache)
     diff_loss = config.term(logits, noise, schedule)
@@ -356,6 +374,8 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     soft = None
     if config.self_conditioning_prob > 0:
       soft = head_parallel.soft_embeddings(model.decode_hidden(noise.noisy, dec_cache), embed, spec)
+      for _ in range(config.self_conditioning_passes - 1):
+        soft = head_parallel.soft_embeddings(model.decode_hidden(noise.noisy, dec_cache, soft), embed, spec)
     tiled = TiledLogits(model.decode_hidden(noise.noisy, dec_cache, soft, noise.use_sc), embed, spec)
     term = config.term
     diff_loss = term.tiled(tiled, noise, schedule) if hasattr(term, "tiled") else term(tiled.materialize(), noise,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from flax import nnx
 
 import hackable_diffusion as hd
 from hackable_diffusion.data.sft import SFTBatch
@@ -38,8 +41,9 @@ def setup(hf_factory):
   return ref, ours, batch
 
 
-def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float):
-  """Per example with transformers: encoder over prompt + clean completion; decoder over the noisy canvas."""
+def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float, sc_passes: int = 1):
+  """Per example with transformers: encoder over prompt + clean completion; decoder over the noisy canvas, its
+  self-conditioning input from `sc_passes` decoder passes (each later one self-conditioned on the one before)."""
   prompt_ids = torch.tensor(np.asarray(batch.prompt_ids), dtype=torch.long)
   prompt_mask = torch.tensor(np.asarray(batch.prompt_mask), dtype=torch.long)
   comp_ids = torch.tensor(np.asarray(batch.completion_ids), dtype=torch.long)
@@ -65,6 +69,9 @@ def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float)
     with torch.no_grad():
       first = ref(input_ids=prefix, attention_mask=prefix_mask, decoder_input_ids=canvas,
                   decoder_attention_mask=dec_mask).logits
+      for _ in range(sc_passes - 1):
+        first = ref(input_ids=prefix, attention_mask=prefix_mask, decoder_input_ids=canvas,
+                    decoder_attention_mask=dec_mask, self_conditioning_logits=first).logits
       sc = first if bool(noise.use_sc[i]) else None
       out = ref(input_ids=prefix, attention_mask=prefix_mask, decoder_input_ids=canvas,
                 decoder_attention_mask=dec_mask, self_conditioning_logits=sc).logits
@@ -81,24 +88,29 @@ def _reference_loss(ref, batch: SFTBatch, noise, variant: str, ar_weight: float)
 
 
 # tile_mib=1e-6: one position per tile (the vocabulary-tiled head, hackable_diffusion.model.head); 0: untiled
-@pytest.mark.parametrize("variant,ar_weight,tile_mib", [("flat", 0.7, 0.0), ("corrupted", 0.7, 0.0), ("flat", 0.0, 0.0),
-                                                         ("flat", 0.7, 1e-6), ("corrupted", 0.7, 1e-6)])
-def test_loss_equals_transformers_computation(setup, variant, ar_weight, tile_mib):
+# sc_passes: decoder passes computing the self-conditioning input (diffusion.self_conditioning_passes)
+@pytest.mark.parametrize("variant,ar_weight,tile_mib,sc_passes", [
+    ("flat", 0.7, 0.0, 1), ("corrupted", 0.7, 0.0, 1), ("flat", 0.0, 0.0, 1), ("flat", 0.7, 1e-6, 1),
+    ("corrupted", 0.7, 1e-6, 1), ("flat", 0.0, 0.0, 3), ("flat", 0.0, 1e-6, 2)])
+def test_loss_equals_transformers_computation(setup, variant, ar_weight, tile_mib, sc_passes):
   ref, ours, batch = setup
-  config = LossConfig(variant=variant, self_conditioning_prob=0.5, encoder_ar_weight=ar_weight,
-                      logits_tile_mib=tile_mib)
+  # more passes: every row self-conditioned, where the passes' effect on this model is large (checked below)
+  config = LossConfig(variant=variant, self_conditioning_prob=0.5 if sc_passes == 1 else 1.0,
+                      encoder_ar_weight=ar_weight, logits_tile_mib=tile_mib, self_conditioning_passes=sc_passes)
   assert (ours.head_spec(4, C, tile_mib).tile == 1) == (tile_mib > 0)
   key = jax.random.key(3)
   noise = draw_noise(key, batch, C, 64, config)
   # the draw exercises several canvases, both self-conditioning branches, and corrupted + clean positions
   assert len(set(np.asarray(noise.canvas_index).tolist())) > 1
-  assert 0 < int(np.asarray(noise.use_sc).sum()) < 4
+  assert 0 < int(np.asarray(noise.use_sc).sum()) < 4 if sc_passes == 1 else bool(np.asarray(noise.use_sc).all())
   loss, metrics = jax.jit(lambda b, n: diffusion_loss(ours, b, key, config, noise=n))(batch, noise)
-  diff, ar, total = _reference_loss(ref, batch, noise, variant, ar_weight)
+  diff, ar, total = _reference_loss(ref, batch, noise, variant, ar_weight, sc_passes)
   if ar_weight:
     assert abs(float(metrics["ar_loss"]) - ar) <= 1e-4
   assert abs(float(metrics["diffusion_loss"]) - diff) <= 1e-4
   assert abs(float(loss) - total) <= 2e-4
+  if sc_passes > 1:  # the tolerance separates the recipes: one pass fewer gives another loss
+    assert abs(_reference_loss(ref, batch, noise, variant, ar_weight, sc_passes - 1)[0] - diff) > 1e-2
 
 
 def test_canvas_choice_respects_completion_length(setup):
@@ -159,10 +171,45 @@ def test_loss_config_validation():
                         ({"variant": "custom_components:NOT_CALLABLE"}, "is a str, not a class or function"),
                         ({"variant": "custom_components:not_a_task"}, "must return a LossTerm"),
                         ({"schedule": "cubic"}, "diffusion.schedule='cubic'"),
-                        ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5")):
+                        ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5"),
+                        ({"self_conditioning_passes": 0}, "self_conditioning_passes=0; expected an integer"),
+                        ({"encoder_gradients": False, "encoder_ar_weight": 0.5},
+                         "encoder_gradients=False with encoder_ar_weight=0.5")):
     with pytest.raises(ConfigError, match=match) as err:
       LossConfig(**kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_without_encoder_gradients_the_encoder_cache_is_a_constant(setup):
+  """encoder_gradients=False: the gradient is the one of a loss whose encoder output was computed beforehand (a
+  constant), and the loss value is unchanged."""
+  _, ours, batch = setup
+  key = jax.random.key(3)
+  on, off = LossConfig(encoder_ar_weight=0.0), LossConfig(encoder_ar_weight=0.0, encoder_gradients=False)
+  noise = draw_noise(key, batch, C, ours.config.vocab_size, on)
+  graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
+
+  def value_and_grad(config):
+    f = lambda p: diffusion_loss(nnx.merge(graphdef, p, rest), batch, key, config, noise)[0]
+    return jax.value_and_grad(f)(params)
+
+  encoded = {}
+  real_encode = hd.DiffusionGemma.encode
+
+  def frozen_encode(self, ids, cache, mask):  # the encoder's output as a constant, computed outside the gradient
+    if "out" not in encoded:
+      encoded["out"] = real_encode(ours, ids, cache, mask)
+    return encoded["out"]
+
+  loss_on, grad_on = value_and_grad(on)
+  loss_off, grad_off = value_and_grad(off)
+  with mock.patch.object(hd.DiffusionGemma, "encode", frozen_encode):
+    loss_ref, grad_ref = value_and_grad(on)
+  assert float(loss_off) == pytest.approx(float(loss_on), rel=1e-6) == float(loss_ref)
+  diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grad_off), jax.tree.leaves(grad_ref))]
+  assert max(diffs) < 1e-6
+  # and the encoder's backward does contribute when it is on
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grad_on), jax.tree.leaves(grad_off))) > 1e-4
 
 
 def test_builtin_terms_are_the_documented_formulas(setup):
