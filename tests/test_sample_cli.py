@@ -38,6 +38,7 @@ OVERRIDES = {
     "model.preset": "tiny",
     "data.generator_args.num_train": 16, "data.generator_args.num_validation": 2,
     "data.generator_args.num_test": 2, "data.generator_args.easy": 1.0, "data.generator_args.medium": 0.0,
+    "data.generator_args.train_easy": 1.0, "data.generator_args.train_medium": 0.0,
     "data.generator_args.workers": 1, "data.prefetch_batches": 1,
     "train.steps": STEPS, "train.batch_size": 4, "optimizer.decay_steps": STEPS, "optimizer.warmup_steps": 1,
     "train.log_every": 1, "train.checkpoint_every": STEPS, "train.async_checkpointing": False,

@@ -25,6 +25,7 @@ def test_short_sudoku_run_solves_easy_puzzles(tmp_path):
   overrides = {
       "data.generator_args.num_train": 1500, "data.generator_args.num_validation": 8,
       "data.generator_args.num_test": 32, "data.generator_args.easy": 1.0, "data.generator_args.medium": 0.0,
+      "data.generator_args.train_easy": 1.0, "data.generator_args.train_medium": 0.0,  # easy puzzles only
       "data.generator_args.workers": 1, "data.prefetch_batches": 1,
       "train.steps": STEPS, "optimizer.decay_steps": STEPS, "optimizer.warmup_steps": 20, "optimizer.peak_lr": 3e-3,
       "train.log_every": 50, "train.checkpoint_every": STEPS, "train.async_checkpointing": False,
