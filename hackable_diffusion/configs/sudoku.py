@@ -62,8 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
       generator="sudoku",  # hackable_diffusion.tasks.sudoku.task.SudokuTask writes train/validation/test JSONL
       generator_args=ml_collections.ConfigDict(dict(
           num_train=NUM_TRAIN, num_validation=500, num_test=500, seed=0, easy=0.5, medium=0.5, hard=0.0,
-          # the training split's own mix (validation and test keep the mix above): more medium puzzles than the test mix (+2.7 points mean over 3 seeds, the
-          # weakest seed +5.4; docs/sudoku.md)
+          # the training split's own mix (validation and test keep the mix above): more medium puzzles than the
+          # test mix (+2.7 points mean over 3 seeds, the weakest seed +5.4; docs/sudoku.md)
           train_easy=TRAIN_MIX[0], train_medium=TRAIN_MIX[1], train_hard=TRAIN_MIX[2],
           workers=2)),
       train_path="",
