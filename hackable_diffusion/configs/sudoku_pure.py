@@ -4,8 +4,9 @@
   python -m hackable_diffusion.export --workdir=runs/sudoku_pure --out=exported/sudoku --format=merged
 
 Same data (training mix 30% easy / 70% medium), recipe and budget as configs/sudoku.py; only
-`attention_structure` differs (None). At CPU budgets it solves far fewer puzzles (an earlier probe at an equal budget: 8% easy / 1% medium against 93% / 61% with the
-structure, docs/sudoku.md): without the row/column/box structure the model has to discover it. This config's own
+`attention_structure` differs (None). At CPU budgets it solves far fewer puzzles (an earlier probe at an equal
+budget: 8% easy / 1% medium against 93% / 61% with the structure, docs/sudoku.md): without the row/column/box
+structure the model has to discover it. This config's own
 run was not measured.
 """
 
