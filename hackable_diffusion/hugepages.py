@@ -10,7 +10,8 @@ re-executes itself (same interpreter, same arguments, same PID) before importing
 
 Nothing happens when the tunable would change nothing or the user already chose: not Linux, not glibc >= 2.35,
 transparent huge pages `always` or `never` (or unreadable), `GLIBC_TUNABLES` already naming
-`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` (or false / no / off) in the environment (the opt-out).
+`glibc.malloc.hugetlb`, or `HD_MALLOC_HUGEPAGES=0` (or false / no / off) in the environment (the opt-out; 1 / true /
+yes / on or unset: the default; any other value is a one-line error, so a typo is not silently ignored).
 The Python API never re-executes anything; set the variable before starting Python to get the same effect there:
 
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python my_script.py
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT_ENV = "HD_MALLOC_HUGEPAGES"  # "0" (or false / no / off): never re-execute
 OPT_OUT_VALUES = ("0", "false", "no", "off")
+OPT_IN_VALUES = ("", "1", "true", "yes", "on")  # "": unset or empty, the default
 THP_ENABLED_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # the first glibc with the glibc.malloc.hugetlb tunable
 
@@ -60,7 +62,11 @@ def with_hugetlb(tunables: str | None) -> str:
 
 def should_reexec(env: Mapping[str, str], *, system: str, libc: tuple[str, str], thp: str | None) -> bool:
   """Whether re-executing with the tunable would turn on huge pages for malloc that the process does not have."""
-  if env.get(OPT_OUT_ENV, "").strip().lower() in OPT_OUT_VALUES or TUNABLE in env.get("GLIBC_TUNABLES", ""):
+  choice = env.get(OPT_OUT_ENV, "").strip().lower()
+  if choice not in OPT_OUT_VALUES + OPT_IN_VALUES:
+    raise ValueError(f"{OPT_OUT_ENV}={env[OPT_OUT_ENV]!r}: expected 0 / false / no / off (no huge pages for malloc) "
+                     "or 1 / true / yes / on (the default)")
+  if choice in OPT_OUT_VALUES or TUNABLE in env.get("GLIBC_TUNABLES", ""):
     return False
   version = glibc_version(libc)
   return system == "Linux" and version is not None and version >= MIN_GLIBC and thp == "madvise"
@@ -69,10 +75,15 @@ def should_reexec(env: Mapping[str, str], *, system: str, libc: tuple[str, str],
 def reexec_with_malloc_hugepages() -> None:
   """Re-executes this process (`sys.executable` with `sys.orig_argv`) with the tunable set, if `should_reexec`.
 
-  Call it first thing in a CLI's `__main__`, before JAX is imported: it does not return when it re-executes.
+  Call it first thing in a CLI's `__main__`, before JAX is imported: it does not return when it re-executes. An
+  unknown `HD_MALLOC_HUGEPAGES` value exits with a one-line error.
   """
   env = dict(os.environ)
-  if not should_reexec(env, system=platform.system(), libc=platform.libc_ver(), thp=thp_mode()):
+  try:
+    reexec = should_reexec(env, system=platform.system(), libc=platform.libc_ver(), thp=thp_mode())
+  except ValueError as e:
+    sys.exit(f"error: {e}")  # one line on stderr, exit status 1
+  if not reexec:
     return
   env["GLIBC_TUNABLES"] = with_hugetlb(env.get("GLIBC_TUNABLES"))  # also stops the new process re-executing
   sys.stdout.flush()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from hackable_diffusion import hugepages
 
 LINUX = dict(system="Linux", libc=("glibc", "2.36"), thp="madvise")
@@ -33,6 +35,23 @@ def test_reexecs_only_where_the_tunable_changes_something():
   ]
   for env, facts in refused:
     assert not hugepages.should_reexec(env, **{**LINUX, **facts}), (env, facts)
+
+
+def test_an_unknown_opt_out_value_is_a_one_line_error(tmp_path):
+  for value in ("2", "maybe", "of"):
+    with pytest.raises(ValueError, match=f"HD_MALLOC_HUGEPAGES='{value}': expected 0 / false"):
+      hugepages.should_reexec({hugepages.OPT_OUT_ENV: value}, **LINUX)
+  for value in ("", " YES", "on", "1"):  # the default, spelled out
+    assert hugepages.should_reexec({hugepages.OPT_OUT_ENV: value}, **LINUX)
+  script = tmp_path / "child.py"
+  script.write_text(_CHILD)
+  env = {**os.environ, hugepages.OPT_OUT_ENV: "maybe"}
+  out = subprocess.run([sys.executable, "-u", str(script), "pretend"], env=env, capture_output=True, text=True,
+                       timeout=60)
+  assert out.returncode == 1 and out.stdout == "start\n"  # it stops before running anything
+  assert out.stderr.strip().splitlines() == [
+      "error: HD_MALLOC_HUGEPAGES='maybe': expected 0 / false / no / off (no huge pages for malloc) or 1 / true / yes "
+      "/ on (the default)"]
 
 
 def test_tunable_is_appended_to_the_users_tunables():
