@@ -82,6 +82,8 @@ class LossConfig:
         or self.self_conditioning_passes < 1:
       raise ConfigError(f"diffusion.self_conditioning_passes={self.self_conditioning_passes!r}; expected an integer "
                         ">= 1")
+    if not isinstance(self.encoder_gradients, bool):
+      raise ConfigError(f"diffusion.encoder_gradients={self.encoder_gradients!r}; expected True or False")
     if not self.encoder_gradients and self.encoder_ar_weight > 0:
       raise ConfigError(f"diffusion.encoder_gradients=False with encoder_ar_weight={self.encoder_ar_weight}: the "
                         "encoder's next-token loss would get no gradient (set encoder_ar_weight=0)")

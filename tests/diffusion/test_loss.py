@@ -173,6 +173,7 @@ def test_loss_config_validation():
                         ({"schedule": "cubic"}, "diffusion.schedule='cubic'"),
                         ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5"),
                         ({"self_conditioning_passes": 0}, "self_conditioning_passes=0; expected an integer"),
+                        ({"encoder_gradients": "no"}, "encoder_gradients='no'; expected True or False"),
                         ({"encoder_gradients": False, "encoder_ar_weight": 0.5},
                          "encoder_gradients=False with encoder_ar_weight=0.5")):
     with pytest.raises(ConfigError, match=match) as err:
