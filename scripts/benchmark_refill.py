@@ -8,6 +8,7 @@ that compiles both), in one process.
 
   python scripts/benchmark_refill.py --workdir=runs/sudoku          # a trained run: its evaluation set and sampler
   python scripts/benchmark_refill.py --workdir=runs/sudoku --examples=300 --batch=64 --chunk_steps=2
+  python scripts/benchmark_refill.py --workdir=runs/sudoku --temperature=1.6 --confidence_threshold=0.1
   python scripts/benchmark_refill.py --smoke                        # a random micro model (used by the tests)
 """
 
@@ -112,9 +113,10 @@ def smoke_case() -> tuple[Any, ...]:
   return model, ids, np.ones(ids.shape, bool), None, None, sampling, None, None, 4
 
 
-def run_case(workdir: str, examples: int, cap: int = 0) -> tuple[Any, ...]:
+def run_case(workdir: str, examples: int, cap: int = 0, temperature: float = 0.0,
+             confidence_threshold: float = 0.0) -> tuple[Any, ...]:
   """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler (its step cap
-  `cap`; 0: the run's `eval.early_stopping_steps`)."""
+  `cap`, constant `temperature` and `confidence_threshold`; 0: the run's own)."""
   from hackable_diffusion.evaluation import loop as eval_loop
   from hackable_diffusion.training import run as run_lib
 
@@ -126,6 +128,10 @@ def run_case(workdir: str, examples: int, cap: int = 0) -> tuple[Any, ...]:
   sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
   if cap:
     sampling = sampling.replace(max_denoising_steps=cap)
+  if temperature:
+    sampling = sampling.replace(t_min=temperature, t_max=temperature)
+  if confidence_threshold:
+    sampling = sampling.replace(confidence_threshold=confidence_threshold)
   task = run_lib.eval_task(cfg)
   seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)
                             * model.config.canvas_length)
@@ -148,12 +154,17 @@ def main(argv=None) -> int:
                       help="at most this many steps per compiled call of the stream (0: no limit, the default)")
   parser.add_argument("--cap", type=int, default=0,
                       help="early-stopping step cap (0: the run's eval.early_stopping_steps)")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="constant sampling temperature (0: the run's eval.sampling t_min / t_max)")
+  parser.add_argument("--confidence_threshold", type=float, default=0.0,
+                      help="early-stopping confidence threshold (0: the run's eval.sampling value)")
   parser.add_argument("--repeats", type=int, default=3, help="timed passes of each loop, alternating (median)")
   parser.add_argument("--smoke", action="store_true")
   args = parser.parse_args(argv)
   if not (args.smoke or args.workdir):
     parser.error("pass --workdir=<a trained run> or --smoke")
-  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap)
+  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap, args.temperature,
+                                                                  args.confidence_threshold)
   model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
   batch = args.batch or default_batch
   row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps or None,
