@@ -113,6 +113,18 @@ def smoke_case() -> tuple[Any, ...]:
   return model, ids, np.ones(ids.shape, bool), None, None, sampling, None, None, 4
 
 
+def override_sampler(sampling: hd.SamplingConfig, cap: int = 0, temperature: float = 0.0,
+                     confidence_threshold: float = 0.0) -> hd.SamplingConfig:
+  """`sampling` with the step cap, a constant temperature and the early-stopping threshold replaced (0: kept)."""
+  if cap:
+    sampling = sampling.replace(max_denoising_steps=cap)
+  if temperature:
+    sampling = sampling.replace(t_min=temperature, t_max=temperature)
+  if confidence_threshold:
+    sampling = sampling.replace(confidence_threshold=confidence_threshold)
+  return sampling
+
+
 def run_case(workdir: str, examples: int, cap: int = 0, temperature: float = 0.0,
              confidence_threshold: float = 0.0) -> tuple[Any, ...]:
   """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler (its step cap
@@ -126,12 +138,7 @@ def run_case(workdir: str, examples: int, cap: int = 0, temperature: float = 0.0
   n = min(examples, len(data)) if examples else len(data)
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
   sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
-  if cap:
-    sampling = sampling.replace(max_denoising_steps=cap)
-  if temperature:
-    sampling = sampling.replace(t_min=temperature, t_max=temperature)
-  if confidence_threshold:
-    sampling = sampling.replace(confidence_threshold=confidence_threshold)
+  sampling = override_sampler(sampling, cap, temperature, confidence_threshold)
   task = run_lib.eval_task(cfg)
   seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)
                             * model.config.canvas_length)

@@ -205,3 +205,19 @@ def test_live_peak_counts_one_buffer_once_and_sums_overlapping_ones():
   ranges["b{}"] = (10, 12)  # no longer overlapping a: the peak is a_later + c
   assert live_peak.live_peak(values, ranges) == (107, 25, 0)
   assert live_peak.live_peak(values + [("d{}", 5, 200)], ranges)[2] == 5  # a value without a live range
+
+
+def test_refill_sampler_overrides_replace_only_what_is_given():
+  import importlib.util
+
+  import hackable_diffusion as hd
+
+  spec = importlib.util.spec_from_file_location("benchmark_refill", os.path.join(ROOT, "scripts", "benchmark_refill.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  base = hd.SamplingConfig(max_denoising_steps=24, t_min=0.4, t_max=0.8, confidence_threshold=0.05)
+  assert module.override_sampler(base) == base  # every override 0: the run's own sampler
+  warm = module.override_sampler(base, temperature=1.6, confidence_threshold=0.1)
+  assert (warm.t_min, warm.t_max, warm.confidence_threshold, warm.max_denoising_steps) == (1.6, 1.6, 0.1, 24)
+  capped = module.override_sampler(base, cap=32)
+  assert (capped.max_denoising_steps, capped.t_min, capped.t_max, capped.confidence_threshold) == (32, 0.4, 0.8, 0.05)
