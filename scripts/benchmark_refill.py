@@ -171,7 +171,7 @@ def main(argv=None) -> int:
   if not (args.smoke or args.workdir):
     parser.error("pass --workdir=<a trained run> or --smoke")
   case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap, args.temperature,
-                                                                  args.confidence_threshold)
+                                                  args.confidence_threshold)
   model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
   batch = args.batch or default_batch
   row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps or None,

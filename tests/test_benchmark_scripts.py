@@ -212,7 +212,8 @@ def test_refill_sampler_overrides_replace_only_what_is_given():
 
   import hackable_diffusion as hd
 
-  spec = importlib.util.spec_from_file_location("benchmark_refill", os.path.join(ROOT, "scripts", "benchmark_refill.py"))
+  path = os.path.join(ROOT, "scripts", "benchmark_refill.py")
+  spec = importlib.util.spec_from_file_location("benchmark_refill", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   base = hd.SamplingConfig(max_denoising_steps=24, t_min=0.4, t_max=0.8, confidence_threshold=0.05)
