@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hackable_diffusion as hd
+from hackable_diffusion.errors import HackableDiffusionError
 from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
 
 
@@ -170,8 +171,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if not (args.smoke or args.workdir):
     parser.error("pass --workdir=<a trained run> or --smoke")
-  case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap, args.temperature,
-                                                  args.confidence_threshold)
+  try:
+    case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap, args.temperature,
+                                                    args.confidence_threshold)
+  except (HackableDiffusionError, OSError) as e:  # a missing run, a sampler value out of range: one line
+    raise SystemExit(f"error: {e}") from None
   model, ids, mask, seeds, pins, sampling, allowed, score, default_batch = case
   batch = args.batch or default_batch
   row = compare(model, ids, mask, seeds, pins, sampling, batch=batch, chunk_steps=args.chunk_steps or None,

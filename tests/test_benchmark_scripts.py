@@ -222,3 +222,17 @@ def test_refill_sampler_overrides_replace_only_what_is_given():
   assert (warm.t_min, warm.t_max, warm.confidence_threshold, warm.max_denoising_steps) == (1.6, 1.6, 0.1, 24)
   capped = module.override_sampler(base, cap=32)
   assert (capped.max_denoising_steps, capped.t_min, capped.t_max, capped.confidence_threshold) == (32, 0.4, 0.8, 0.05)
+  from hackable_diffusion.errors import ConfigError
+
+  with pytest.raises(ConfigError, match=r"t_min=-1.0 is invalid"):  # validated, not silently used (main: one line)
+    module.override_sampler(base, temperature=-1.0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workdir=/no/such/run"], "error: /no/such/run: no such workdir"),
+])
+def test_refill_bad_input_is_one_line(args, message):
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_refill.py"), *args], cwd=ROOT,
+                        env={**os.environ, "HD_MALLOC_HUGEPAGES": "0"}, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [message], proc.stderr[-2000:]
