@@ -8,7 +8,7 @@ that compiles both), in one process.
 
   python scripts/benchmark_refill.py --workdir=runs/sudoku          # a trained run: its evaluation set and sampler
   python scripts/benchmark_refill.py --workdir=runs/sudoku --examples=300 --batch=64 --chunk_steps=2
-  python scripts/benchmark_refill.py --workdir=runs/sudoku --temperature=1.6 --confidence_threshold=0.1
+  python scripts/benchmark_refill.py --workdir=runs/sudoku --t_max=2.0 --t_min=0.8 --confidence_threshold=0.1
   python scripts/benchmark_refill.py --smoke                        # a random micro model (used by the tests)
 """
 
@@ -114,22 +114,25 @@ def smoke_case() -> tuple[Any, ...]:
   return model, ids, np.ones(ids.shape, bool), None, None, sampling, None, None, 4
 
 
-def override_sampler(sampling: hd.SamplingConfig, cap: int = 0, temperature: float = 0.0,
+def override_sampler(sampling: hd.SamplingConfig, cap: int = 0, t_max: float = 0.0, t_min: float = 0.0,
                      confidence_threshold: float = 0.0) -> hd.SamplingConfig:
-  """`sampling` with the step cap, a constant temperature and the early-stopping threshold replaced (0: kept)."""
+  """`sampling` with the step cap, the temperature schedule's ends and the early-stopping threshold replaced
+  (0: kept)."""
   if cap:
     sampling = sampling.replace(max_denoising_steps=cap)
-  if temperature:
-    sampling = sampling.replace(t_min=temperature, t_max=temperature)
+  if t_max:
+    sampling = sampling.replace(t_max=t_max)
+  if t_min:
+    sampling = sampling.replace(t_min=t_min)
   if confidence_threshold:
     sampling = sampling.replace(confidence_threshold=confidence_threshold)
   return sampling
 
 
-def run_case(workdir: str, examples: int, cap: int = 0, temperature: float = 0.0,
+def run_case(workdir: str, examples: int, cap: int = 0, t_max: float = 0.0, t_min: float = 0.0,
              confidence_threshold: float = 0.0) -> tuple[Any, ...]:
   """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler (its step cap
-  `cap`, constant `temperature` and `confidence_threshold`; 0: the run's own)."""
+  `cap`, temperatures `t_max` -> `t_min` and `confidence_threshold`; 0: the run's own)."""
   from hackable_diffusion.evaluation import loop as eval_loop
   from hackable_diffusion.training import run as run_lib
 
@@ -139,7 +142,7 @@ def run_case(workdir: str, examples: int, cap: int = 0, temperature: float = 0.0
   n = min(examples, len(data)) if examples else len(data)
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
   sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
-  sampling = override_sampler(sampling, cap, temperature, confidence_threshold)
+  sampling = override_sampler(sampling, cap, t_max, t_min, confidence_threshold)
   task = run_lib.eval_task(cfg)
   seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)
                             * model.config.canvas_length)
@@ -163,7 +166,11 @@ def main(argv=None) -> int:
   parser.add_argument("--cap", type=int, default=0,
                       help="early-stopping step cap (0: the run's eval.early_stopping_steps)")
   parser.add_argument("--temperature", type=float, default=0.0,
-                      help="constant sampling temperature (0: the run's eval.sampling t_min / t_max)")
+                      help="constant sampling temperature: sets --t_max and --t_min (0: the run's own)")
+  parser.add_argument("--t_max", type=float, default=0.0,
+                      help="temperature of the first step (0: the run's eval.sampling.t_max)")
+  parser.add_argument("--t_min", type=float, default=0.0,
+                      help="temperature the linear schedule ends at (0: the run's eval.sampling.t_min)")
   parser.add_argument("--confidence_threshold", type=float, default=0.0,
                       help="early-stopping confidence threshold (0: the run's eval.sampling value)")
   parser.add_argument("--repeats", type=int, default=3, help="timed passes of each loop, alternating (median)")
@@ -172,7 +179,8 @@ def main(argv=None) -> int:
   if not (args.smoke or args.workdir):
     parser.error("pass --workdir=<a trained run> or --smoke")
   try:
-    case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap, args.temperature,
+    case = smoke_case() if args.smoke else run_case(args.workdir, args.examples, args.cap,
+                                                    args.t_max or args.temperature, args.t_min or args.temperature,
                                                     args.confidence_threshold)
   except (HackableDiffusionError, OSError) as e:  # a missing run, a sampler value out of range: one line
     raise SystemExit(f"error: {e}") from None

@@ -218,14 +218,14 @@ def test_refill_sampler_overrides_replace_only_what_is_given():
   spec.loader.exec_module(module)
   base = hd.SamplingConfig(max_denoising_steps=24, t_min=0.4, t_max=0.8, confidence_threshold=0.05)
   assert module.override_sampler(base) == base  # every override 0: the run's own sampler
-  warm = module.override_sampler(base, temperature=1.6, confidence_threshold=0.1)
-  assert (warm.t_min, warm.t_max, warm.confidence_threshold, warm.max_denoising_steps) == (1.6, 1.6, 0.1, 24)
+  warm = module.override_sampler(base, t_max=2.0, t_min=0.8, confidence_threshold=0.1)
+  assert (warm.t_min, warm.t_max, warm.confidence_threshold, warm.max_denoising_steps) == (0.8, 2.0, 0.1, 24)
   capped = module.override_sampler(base, cap=32)
   assert (capped.max_denoising_steps, capped.t_min, capped.t_max, capped.confidence_threshold) == (32, 0.4, 0.8, 0.05)
   from hackable_diffusion.errors import ConfigError
 
   with pytest.raises(ConfigError, match=r"t_min=-1.0 is invalid"):  # validated, not silently used (main: one line)
-    module.override_sampler(base, temperature=-1.0)
+    module.override_sampler(base, t_min=-1.0)
 
 
 @pytest.mark.parametrize("args, message", [

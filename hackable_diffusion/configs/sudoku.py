@@ -14,10 +14,10 @@ Two choices differ from the pure architecture and recipe, each measured (docs/su
   configs/sudoku_pure.py trains the exportable pure architecture.
 - the givens are pinned (`data.pinned_field`): never corrupted in training, fixed at sampling (infilling).
 
-Measured on 2026-12-03, seeds 0 / 1 / 2 (three runs side by side on a 2-core CPU): 87.7 / 90.0 / 90.3% of easy +
-medium test puzzles solved with early stopping (min 87.7, mean 89.3%) at 8.4 / 6.9 / 6.3 steps per canvas (9.6-12.9
+Measured on 2026-12-04, seeds 0 / 1 / 2 (trained side by side on a 2-core CPU): 90.3 / 89.3 / 90.7% of easy + medium
+test puzzles solved with early stopping (min 89.3, mean 90.1%) at 8.8 / 7.6 / 6.9 steps per canvas (9.2-11.7
 cells per forward). Alone on an idle 2-core CPU a run takes ~21-27 min in all (0.55-0.67 s per step of 32
-puzzles, ~3 min of evaluation). What was tried: docs/sudoku.md.
+puzzles, ~2-3 min of evaluation). What was tried: docs/sudoku.md.
 Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the same recipe
 sized for one GPU.
 """
@@ -32,11 +32,13 @@ STEPS = 2000
 BATCH = 32
 PEAK_LR = 2e-3
 NUM_EVAL = 300
-# sampling temperature, constant, with the early-stopping confidence threshold it needs (a row stops once the mean
-# entropy of its temperature-scaled logits is below it), chosen on the 500 validation puzzles: on the 30/70-mix
-# checkpoints of 3 seeds 1.6 / 0.1 solved 88.4 / 85.6 / 86.4% against 88.2 / 82.6 / 84.0% for 1.3 / 0.05 (the
-# default before), the best minimum with >= 8 cells per forward on every seed (docs/sudoku.md)
-T_MIN, T_MAX = 1.6, 1.6
+# the sampler's temperature schedule: linear from T_MAX at the first step towards T_MIN at the step cap (rows that
+# settle early sample hot, rows that do not cool down), with the early-stopping confidence threshold it needs (a row
+# stops once the mean entropy of its temperature-scaled logits is below it). Chosen on the 500 validation puzzles: on
+# the 30/70-mix checkpoints of 3 seeds 2.0 -> 0.8 / 0.1 solved 91.0 / 88.6 / 89.6% against 88.4 / 85.6 / 86.4% for
+# the constant 1.6 / 0.1 (the default before), the best minimum with >= 8 cells per forward on every seed
+# (docs/sudoku.md)
+T_MIN, T_MAX = 0.8, 2.0
 CONFIDENCE = 0.1
 
 
