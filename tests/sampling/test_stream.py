@@ -63,6 +63,25 @@ def test_refilling_equals_the_fixed_batch_per_row(model, prompts, chunk_steps):
   assert min(len(o.denoising_steps) for o in outs) == 1 and max(len(o.denoising_steps) for o in outs) == 2
 
 
+def test_a_falling_temperature_follows_each_rows_own_steps(model, prompts):
+  """A temperature that falls tenfold over the cap (the Sudoku default falls 2.0 -> 0.8; this random model's logits
+  are nearly flat, so 0.05 -> 0.005 is already a schedule that changes the samples): each row's temperature follows
+  its own step count, so rows that enter a slot mid-stream sample exactly what the fixed batch samples."""
+  config = dict(CONFIG, t_min=0.005, t_max=0.05)
+  sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **config)
+  rng = jax.random.key(5)
+  fixed = hd.generate(model, prompts, sampling, rng=_keys(rng, N))
+  outs = list(generate_stream(model, list(prompts), sampling, rng=rng, batch_size=3))
+  for o in outs:
+    np.testing.assert_array_equal(o.sequence, np.asarray(fixed.sequences)[o.index])
+    np.testing.assert_array_equal(o.denoising_steps, np.asarray(fixed.denoising_steps)[o.index])
+  assert len({int(o.denoising_steps[0]) for o in outs}) > 2  # rows entered slots at different steps
+  # the temperature matters here: the near-greedy schedule of CONFIG gives other sequences for the same keys
+  cold = hd.generate(model, prompts, hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **CONFIG),
+                     rng=_keys(rng, N))
+  assert not np.array_equal(np.asarray(cold.sequences), np.asarray(fixed.sequences))
+
+
 class _Recorder:
   """Wraps a stream's compiled program and records every call's arguments and result."""
 
