@@ -42,6 +42,8 @@ throughput and reported separately. Threads: torch's default (`torch.get_num_thr
   python scripts/benchmark_train.py                              # sudoku and 100m, 10 timed steps each
   python scripts/benchmark_train.py --sizes=100m --steps=5 --profile
   python scripts/benchmark_train.py --cpus=0                     # one core, one thread for each side
+  python scripts/benchmark_train.py --matmul_dtype=bfloat16 --check_tol=5e-2 --check_tol_grad=2e-1 [--torch_autocast]
+                                                                 # bf16 products (AMX), vs torch fp32 or autocast
   python scripts/benchmark_train.py --smoke                      # micro config, 2 steps (tests)
 """
 
@@ -96,8 +98,9 @@ LR = 1.5e-4
 
 
 # ---------------------------------------------------------------------------------------------------- models
-def build_pair(size: Size, workdir: str, seed: int = 0):
-  """(our model, torch model) with identical parameters, weights copied ours -> HF -> ours."""
+def build_pair(size: Size, workdir: str, seed: int = 0, matmul_dtype: str = "auto"):
+  """(our model, torch model) with identical parameters, weights copied ours -> HF -> ours (ours computing its
+  projections as `matmul_dtype` says: `ModelConfig.matmul_dtype`)."""
   import torch
   from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -111,8 +114,8 @@ def build_pair(size: Size, workdir: str, seed: int = 0):
   # transformers re-saves a full layer whose head_dim equals the sliding one with an empty `per_layer_config`, which
   # our `from_hf_config` reads as global_head_dim 512 (the Sudoku preset hits this): pass the intended shape.
   ours = load_pretrained(second, global_head_dim=size.model.global_head_dim,
-                         num_global_key_value_heads=size.model.num_global_key_value_heads)
-  assert ours.config == size.model, (ours.config, size.model)
+                         num_global_key_value_heads=size.model.num_global_key_value_heads, matmul_dtype=matmul_dtype)
+  assert ours.config == dataclasses.replace(size.model, matmul_dtype=matmul_dtype), (ours.config, size.model)
   ref.train()
   for name, p in ref.named_parameters():
     p.requires_grad_("vision" not in name)  # text-only training, like ours (the vision tower is never run)
@@ -199,15 +202,21 @@ def torch_loss(model, x: dict[str, Any], canvas_length: int):
   return diff + ar, diff, ar
 
 
-def make_torch_step(model, canvas_length: int):
+def make_torch_step(model, canvas_length: int, autocast: bool = False):
+  """`autocast`: the forward pass under `torch.autocast('cpu', torch.bfloat16)` (bf16 matmuls on AMX, float32
+  parameters and optimizer; torch's own mixed-precision recipe)."""
+  import contextlib
+
   import torch
 
   params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
   opt = torch.optim.AdamW(params, lr=LR, betas=(0.95, 0.99), eps=1e-8, weight_decay=1e-4)
+  context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
 
   def step(x):
     opt.zero_grad(set_to_none=True)
-    loss, _, _ = torch_loss(model, x, canvas_length)
+    with context():
+      loss, _, _ = torch_loss(model, x, canvas_length)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
@@ -372,10 +381,11 @@ def profile_pieces(size: Size, ours, ref, batch: SFTBatch, key, rounds: int) -> 
 
 # ---------------------------------------------------------------------------------------------------- main
 def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check_tol: float,
-             threads: str, block: int, check_tol_grad: float | None = None) -> tuple[str, dict]:
+             threads: str, block: int, check_tol_grad: float | None = None, matmul_dtype: str = "auto",
+             torch_autocast: bool = False) -> tuple[str, dict]:
   import torch
 
-  ours, ref = build_pair(size, workdir)
+  ours, ref = build_pair(size, workdir, matmul_dtype=matmul_dtype)
   batch = make_batch(size)
   cfg = size.model
   lc = loss_config()
@@ -383,7 +393,7 @@ def run_size(name: str, size: Size, steps: int, warmup: int, workdir: str, check
   noises = [torch_inputs(batch, draw_noise(k, batch, cfg.canvas_length, cfg.vocab_size, lc)) for k in keys]
   compiled, state, compile_s, _, _ = make_our_step(ours, batch, keys[0])
   flops = flops_of(compiled)
-  torch_step, _, _ = make_torch_step(ref, cfg.canvas_length)
+  torch_step, _, _ = make_torch_step(ref, cfg.canvas_length, torch_autocast)
 
   # Step 0 of both sides: identical parameters and draws -> same loss and gradient norm.
   state, metrics = compiled(state, batch, keys[0])
@@ -462,6 +472,11 @@ def main(argv=None) -> int:
   parser.add_argument("--cpus", default=None,
                       help="comma-separated CPU ids to pin the process to before torch and XLA start (e.g. 0: one "
                            "core, one thread each; default: no pinning, each library's default thread count)")
+  parser.add_argument("--matmul_dtype", default="auto", choices=("auto", "bfloat16"),
+                      help="our projections' products (ModelConfig.matmul_dtype): bfloat16 = bf16 operands, fp32 "
+                           "accumulation (AMX); compare with --torch_autocast and a wider --check_tol")
+  parser.add_argument("--torch_autocast", action="store_true",
+                      help="torch's forward under torch.autocast('cpu', bfloat16)")
   parser.add_argument("--markdown", default=None, help="also write the table(s) to this file")
   args = parser.parse_args(argv)
   if args.cpus:
@@ -502,7 +517,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as workdir:
     for name in sizes:
       row, info = run_size(name, SIZES[name], args.steps, args.warmup, os.path.join(workdir, name), args.check_tol,
-                           threads, args.block, args.check_tol_grad)
+                           threads, args.block, args.check_tol_grad, args.matmul_dtype, args.torch_autocast)
       rows.append(row)
       if args.profile:
         new = profile_pieces(SIZES[name], info["ours"], info["ref"], info["batch"], info["key"], args.profile_rounds)

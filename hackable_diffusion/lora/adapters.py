@@ -210,6 +210,7 @@ class LoRAExperts(moe.Experts):
   def __init__(self, base: moe.Experts, *, factors: Mapping[str, tuple[Array, Array]], scale: float):
     self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
     self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
+    self.matmul_dtype = base.matmul_dtype
     for name in getattr(base, "QUANTIZED_ATTRS", ()):  # a quantized base: its scales (QLoRAExperts)
       setattr(self, name, getattr(base, name))
     self.targets = tuple(p for p in EXPERT_PARAMS if p in factors)

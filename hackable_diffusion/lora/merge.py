@@ -41,7 +41,8 @@ def _plain_experts(src: LoRAExperts) -> moe.Experts:
   e, two_i, h = src.gate_up_proj.shape
   with nnx.use_eager_sharding(False):
     new = nnx.eval_shape(lambda: moe.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
-                                                param_dtype=src.gate_up_proj.dtype, std=0.02, impl=src.impl))
+                                                param_dtype=src.gate_up_proj.dtype, std=0.02, impl=src.impl,
+                                                matmul_dtype=src.matmul_dtype))
   for name in EXPERT_PARAMS:
     var = getattr(src, name)
     value = var[...]

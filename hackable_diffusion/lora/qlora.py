@@ -123,6 +123,7 @@ class QuantizedExperts(moe.Experts):
   def __init__(self, base: moe.Experts, qarrays: Mapping[str, qwix.QArray], mode: str, param_dtype: Any,
                tables: Mapping[str, Array] | None = None):
     self.dtype, self.impl, self.intermediate = base.dtype, base.impl, base.intermediate
+    self.matmul_dtype = base.matmul_dtype
     qtypes = set()
     for name in EXPERT_PARAMS:
       var, q = getattr(base, name), qarrays[name]
@@ -164,7 +165,7 @@ class QuantizedExperts(moe.Experts):
       kernel = functools.partial(moe_tiled.frozen_tiled_experts, decode=decode, num_experts=num_experts)
       return moe.on_local_tokens(kernel, x, weights, idx, (), ((stored_values, ties),))  # each device its tokens
     gate_up, down = self.expert_weights(tie=tie)
-    return moe.experts_forward(self.impl, x, weights, idx, gate_up, down)
+    return moe.experts_forward(self.impl, x, weights, idx, gate_up, down, self.matmul_dtype)
 
 
 def _decode_expert(stored_expert, *, qtype: Any, dtype: Any) -> tuple[Array, Array]:
@@ -272,7 +273,8 @@ def _plain_experts(src: QuantizedExperts, values: Mapping[str, Array]) -> moe.Ex
   e, two_i, h = values["gate_up_proj"].shape
   with nnx.use_eager_sharding(False):
     new = nnx.eval_shape(lambda: moe.Experts(h, two_i // 2, e, rngs=nnx.Rngs(0), dtype=src.dtype,
-                                                param_dtype=src.param_dtype, std=0.02, impl=src.impl))
+                                                param_dtype=src.param_dtype, std=0.02, impl=src.impl,
+                                                matmul_dtype=src.matmul_dtype))
     for name in EXPERT_PARAMS:
       axes = _axes(getattr(src, name))
       setattr(new, name, nnx.Param(values[name].astype(src.param_dtype), **({"out_sharding": axes} if axes else {})))

@@ -366,7 +366,7 @@ class Attention(nnx.Module):
     self.head_dim = config.layer_head_dim(layer_idx)
     self.dtype = dtype
     hidden, std, eps = config.hidden_size, config.initializer_range, config.rms_norm_eps
-    kw = dict(dtype=dtype, param_dtype=param_dtype, std=std)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, std=std, matmul_dtype=config.matmul_dtype)
     self.q_proj = layers.linear(rngs, hidden, self.num_heads * self.head_dim, ("embed", "heads"), **kw)
     self.k_proj = layers.linear(rngs, hidden, self.num_kv * self.head_dim, ("embed", "kv"), **kw)
     self.v_proj = (

@@ -15,6 +15,7 @@ from typing import Any
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.model import structure
+from hackable_diffusion.model.matmul import MATMUL_DTYPES
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -112,6 +113,10 @@ class ModelConfig:
   # the `expert` mesh axis; "auto": tiled on CPU, else ragged, or expert_parallel under a mesh with expert > 1.
   moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
+  # "bfloat16": the projections (attention q/k/v/o, MLPs, tiled experts, the untiled head; not the router or the
+  # attention scores) take bfloat16 operands with float32 accumulation, forward and backward (model/matmul.py):
+  # AMX on recent x86 CPUs. "auto": the compute dtype's own products.
+  matmul_dtype: str = "auto"
   # Run the layers as one scan over their attention pattern (model/scan.py): a run (trainer, CLIs, hd.SFTTrainer)
   # stacks its model after loading and adding adapters; a model built by hand: `scan.stack_layers(model)`.
   scan_layers: bool = False
@@ -165,6 +170,8 @@ class ModelConfig:
         raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}")
     if self.moe_impl not in _MOE_IMPLS:
       raise ConfigError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}")
+    if self.matmul_dtype not in MATMUL_DTYPES:
+      raise ConfigError(f"ModelConfig.matmul_dtype={self.matmul_dtype!r}; expected one of {MATMUL_DTYPES}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
     if not isinstance(self.scan_layers, bool):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hackable_diffusion.model import matmul
 from hackable_diffusion.model.config import RopeConfig
 
 Array = jax.Array
@@ -29,11 +30,15 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: tuple[str | N
 
 
 def linear(rngs: nnx.Rngs, d_in: int, d_out: int, axes: tuple[str | None, str | None], *, dtype, param_dtype,
-           std: float) -> nnx.Linear:
-  """A bias-free projection `x @ kernel` with `kernel: [d_in, d_out]` (HF stores the transpose)."""
+           std: float, matmul_dtype: str = "auto") -> nnx.Linear:
+  """A bias-free projection `x @ kernel` with `kernel: [d_in, d_out]` (HF stores the transpose).
+
+  `matmul_dtype='bfloat16'`: the product (and its gradients) with bfloat16 operands, accumulated in float32
+  (`model/matmul.py`)."""
+  extra = {"dot_general": matmul.bf16_dot_general} if matmul_dtype == "bfloat16" else {}
   return nnx.Linear(
       d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-      kernel_init=nnx.with_partitioning(nnx.initializers.normal(std), axes), rngs=rngs,
+      kernel_init=nnx.with_partitioning(nnx.initializers.normal(std), axes), rngs=rngs, **extra,
   )
 
 
@@ -111,8 +116,9 @@ def tokens_2d(x: Array) -> Array:
 class MLP(nnx.Module):
   """Gated GELU-tanh MLP: `down(gelu_tanh(gate x) * up x)`."""
 
-  def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype, param_dtype, std: float):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, std=std)
+  def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype, param_dtype, std: float,
+               matmul_dtype: str = "auto"):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, std=std, matmul_dtype=matmul_dtype)
     self.gate_proj = linear(rngs, hidden, intermediate, ("embed", "mlp"), **kw)
     self.up_proj = linear(rngs, hidden, intermediate, ("embed", "mlp"), **kw)
     self.down_proj = linear(rngs, intermediate, hidden, ("mlp", "embed"), **kw)

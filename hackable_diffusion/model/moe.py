@@ -69,13 +69,14 @@ class Experts(nnx.Module):
   """
 
   def __init__(self, hidden: int, intermediate: int, num_experts: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-               std: float, impl: str):
+               std: float, impl: str, matmul_dtype: str = "auto"):
     init = nnx.initializers.normal(std)
     self.gate_up_proj = layers.param(rngs, init, (num_experts, 2 * intermediate, hidden), param_dtype,
                                      ("expert", "mlp", "embed"))
     self.down_proj = layers.param(rngs, init, (num_experts, hidden, intermediate), param_dtype,
                                   ("expert", "embed", "mlp"))
     self.dtype, self.impl, self.intermediate = dtype, impl, intermediate
+    self.matmul_dtype = matmul_dtype  # 'bfloat16': the tiled kernel's products in bf16 (`ModelConfig.matmul_dtype`)
 
   def weight_shape(self, name: str) -> tuple[int, ...]:
     """The shape of expert tensor `name` ('gate_up_proj' [E, 2I, H] / 'down_proj' [E, H, I]) as the model uses it
@@ -92,7 +93,7 @@ class Experts(nnx.Module):
   def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
     """x [T, H], weights/idx [T, K] -> [T, H]."""
     gate_up, down = self.expert_weights()
-    return experts_forward(self.impl, x, weights, idx, gate_up, down)
+    return experts_forward(self.impl, x, weights, idx, gate_up, down, self.matmul_dtype)
 
 
 # ---- choosing the kernel ------------------------------------------------------------------------------------------
@@ -129,10 +130,12 @@ def resolve_moe_impl(requested: str, num_experts: int, mesh: Mesh | None = None)
   return _logged_choice(requested, backend, expert_axis, num_experts)
 
 
-def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
+def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
+                    matmul_dtype: str = "auto") -> Array:
   """The expert mixture `sum_k weights[t, k] * mlp_{idx[t, k]}(x[t])` by `impl` (any `ModelConfig.moe_impl`).
 
-  x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H].
+  x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. `matmul_dtype` ('auto' /
+  'bfloat16', `ModelConfig.matmul_dtype`) applies to the `tiled` kernel; the others compute in the weights' dtype.
   """
   impl = resolve_moe_impl(impl, gate_up.shape[0])
   if impl == "expert_parallel":
@@ -142,7 +145,8 @@ def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Ar
   if impl == "dense":
     return dense_experts(x, weights, idx, gate_up, down)
   if impl == "tiled":
-    return on_local_tokens(tiled_experts, x, weights, idx, (gate_up, down), per_expert=True)
+    kernel = functools.partial(tiled_experts, bf16=matmul_dtype == "bfloat16")
+    return on_local_tokens(kernel, x, weights, idx, (gate_up, down), per_expert=True)
   raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged or expert_parallel")
 
 

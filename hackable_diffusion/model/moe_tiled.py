@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import layers, matmul
 
 Array = jax.Array
 
@@ -88,8 +88,23 @@ class ExpertSplit:
 WHOLE = ExpertSplit()
 
 
+def _dot(a: Array, b: Array, bf16: bool) -> Array:
+  """a [G, K] @ b [K, N] (bf16: bfloat16 operands, float32 result)."""
+  return matmul.bf16_dot(a, b) if bf16 else a @ b
+
+
+def _dot_t(a: Array, b: Array, bf16: bool) -> Array:
+  """a [G, K] @ b[N, K]^T."""
+  return matmul.bf16_dot(a, b, transpose_b=True) if bf16 else a @ b.T
+
+
+def _dot_tn(a: Array, b: Array, bf16: bool) -> Array:
+  """a[G, M]^T @ b [G, N] (a weight gradient)."""
+  return matmul.bf16_dot_tn(a, b) if bf16 else a.T @ b
+
+
 def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, decode: Callable, tile: int,
-                   keep_pre: bool):
+                   keep_pre: bool, bf16: bool = False):
   """xs [R, H] -> ys [R, H] (and the gate/up pre-activations [R, 2I] when `keep_pre`).
 
   A scan over experts around a loop over that expert's tiles; tiles past the last expert's are never computed
@@ -104,10 +119,11 @@ def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, deco
 
     def one_tile(j, slabs):
       start = (first + j) * tile
-      pre = jax.lax.dynamic_slice_in_dim(xs, start, tile) @ w_gate_up.T  # [G, 2I]
-      y = layers.gated_gelu(pre) @ w_down.T  # [G, H]
+      pre = _dot_t(jax.lax.dynamic_slice_in_dim(xs, start, tile), w_gate_up, bf16)  # [G, 2I]
+      y = _dot_t(layers.gated_gelu(pre), w_down, bf16)  # [G, H]
       ys = jax.lax.dynamic_update_slice_in_dim(slabs[0], y.astype(slabs[0].dtype), start, 0)
-      return (ys, jax.lax.dynamic_update_slice_in_dim(slabs[1], pre, start, 0)) if keep_pre else (ys,)
+      return ((ys, jax.lax.dynamic_update_slice_in_dim(slabs[1], pre.astype(slabs[1].dtype), start, 0)) if keep_pre
+              else (ys,))
 
     return jax.lax.fori_loop(0, count, one_tile, slabs), None
 
@@ -120,33 +136,34 @@ def _tiles_forward(xs: Array, first_tile: Array, num_tiles: Array, weights, deco
   return jax.lax.scan(expert, slabs, (weights, first_tile, num_tiles))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def tile_mlp(xs: Array, first_tile: Array, num_tiles: Array, gate_up: Array, down: Array, tile: int,
-             split: ExpertSplit = WHOLE) -> Array:
+             split: ExpertSplit = WHOLE, bf16: bool = False) -> Array:
   """Each expert's tiles of the slab xs [R, H] through its gated MLP -> [R, H] (see `TileLayout`).
 
   Differentiable in xs, gate_up [E, 2I, H] and down [E, H, I] by a hand-written backward pass with the same loop
   structure (autodiff would not reverse the dynamic-length tile loop). `split`: the weights are this device's
-  shards, gathered one expert at a time (`ExpertSplit`).
+  shards, gathered one expert at a time (`ExpertSplit`). `bf16`: every product (forward and backward) takes
+  bfloat16 operands and accumulates in float32 (`model/matmul.py`).
   """
-  return _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, keep_pre=False)[0]
+  return _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, False, bf16)[0]
 
 
-def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int, split: ExpertSplit):
+def _tile_mlp_fwd(xs, first_tile, num_tiles, gate_up, down, tile: int, split: ExpertSplit, bf16: bool):
   # symbolic zeros: each array argument comes as (value, perturbed); frozen expert weights (LoRA) get no gradient,
   # so their [E, 2I, H] / [E, H, I] accumulators are not even built
   weights_trained = () if (gate_up.perturbed or down.perturbed) else None  # static in the residuals' structure
   xs, first_tile, num_tiles, gate_up, down = (a.value for a in (xs, first_tile, num_tiles, gate_up, down))
-  ys, pre = _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, keep_pre=True)
+  ys, pre = _tiles_forward(xs, first_tile, num_tiles, (gate_up, down), split.gather, tile, True, bf16)
   return ys, (xs, first_tile, num_tiles, gate_up, down, pre, weights_trained)
 
 
-def _tile_mlp_bwd(tile: int, split: ExpertSplit, residuals, d_ys: Array):
+def _tile_mlp_bwd(tile: int, split: ExpertSplit, bf16: bool, residuals, d_ys: Array):
   xs, first_tile, num_tiles, gate_up, down, pre, weights_trained = residuals
   if isinstance(d_ys, jax.custom_derivatives.SymbolicZero):
     d_ys = jnp.zeros_like(residuals[0], d_ys.aval.dtype)  # [R, H] like xs (and its mesh variance)
   if weights_trained is None:
-    d_xs = _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, (gate_up, down), split.gather, pre, d_ys)
+    d_xs = _tile_mlp_bwd_inputs(tile, xs, first_tile, num_tiles, (gate_up, down), split.gather, pre, d_ys, bf16)
     return d_xs, None, None, None, None
   acc = jnp.promote_types(gate_up.dtype, jnp.float32)  # weight gradients accumulate over tiles in fp32
 
@@ -160,10 +177,10 @@ def _tile_mlp_bwd(tile: int, split: ExpertSplit, residuals, d_ys: Array):
       x = jax.lax.dynamic_slice_in_dim(xs, start, tile)  # [G, H]
       dy = jax.lax.dynamic_slice_in_dim(d_ys, start, tile)  # [G, H]
       act, gated_vjp = jax.vjp(layers.gated_gelu, jax.lax.dynamic_slice_in_dim(pre, start, tile))  # [G, I]
-      (d_pre,) = gated_vjp((dy @ w_down).astype(act.dtype))  # [G, 2I]
-      d_x = (d_pre @ w_gate_up).astype(d_xs.dtype)  # [G, H]
-      return (jax.lax.dynamic_update_slice_in_dim(d_xs, d_x, start, 0), d_gate_up + (d_pre.T @ x).astype(acc),
-              d_down + (dy.T @ act).astype(acc))
+      (d_pre,) = gated_vjp(_dot(dy, w_down, bf16).astype(act.dtype))  # [G, 2I]
+      d_x = _dot(d_pre, w_gate_up, bf16).astype(d_xs.dtype)  # [G, H]
+      return (jax.lax.dynamic_update_slice_in_dim(d_xs, d_x, start, 0),
+              d_gate_up + _dot_tn(d_pre, x, bf16).astype(acc), d_down + _dot_tn(dy, act, bf16).astype(acc))
 
     zeros = (jnp.zeros_like(w_gate_up, acc), jnp.zeros_like(w_down, acc))
     d_xs, d_gate_up, d_down = jax.lax.fori_loop(0, count, one_tile, (d_xs, *zeros))
@@ -174,7 +191,8 @@ def _tile_mlp_bwd(tile: int, split: ExpertSplit, residuals, d_ys: Array):
   return d_xs, None, None, d_gate_up, d_down
 
 
-def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, weights, decode: Callable, pre, d_ys) -> Array:
+def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, weights, decode: Callable, pre, d_ys,
+                         bf16: bool = False) -> Array:
   """`_tile_mlp_bwd`'s input gradient alone (the expert weights are frozen; `weights` / `decode` as
   `_tiles_forward`'s, each expert decoded once more here)."""
 
@@ -186,8 +204,8 @@ def _tile_mlp_bwd_inputs(tile: int, xs, first_tile, num_tiles, weights, decode: 
       start = (first + j) * tile
       dy = jax.lax.dynamic_slice_in_dim(d_ys, start, tile)
       act, gated_vjp = jax.vjp(layers.gated_gelu, jax.lax.dynamic_slice_in_dim(pre, start, tile))
-      (d_pre,) = gated_vjp((dy @ w_down).astype(act.dtype))
-      return jax.lax.dynamic_update_slice_in_dim(d_xs, (d_pre @ w_gate_up).astype(d_xs.dtype), start, 0)
+      (d_pre,) = gated_vjp(_dot(dy, w_down, bf16).astype(act.dtype))
+      return jax.lax.dynamic_update_slice_in_dim(d_xs, _dot(d_pre, w_gate_up, bf16).astype(d_xs.dtype), start, 0)
 
     return jax.lax.fori_loop(0, count, one_tile, d_xs), None
 
@@ -220,15 +238,16 @@ frozen_tile_mlp.defvjp(_frozen_tile_mlp_fwd, _frozen_tile_mlp_bwd)
 
 
 def tiled_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
-                  tile_rows: int | None = None, split: ExpertSplit = WHOLE) -> Array:
+                  tile_rows: int | None = None, split: ExpertSplit = WHOLE, bf16: bool = False) -> Array:
   """`dense_experts`' function, computing only the selected (token, expert) pairs.
 
   x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. The T*K assignments are grouped
   by expert into tiles of `tile_rows` rows (default `moe_tile_rows`), run through `tile_mlp` and gathered back
   with their routing weights. Shapes are static (a slab of `<= T*K + E*(tile_rows-1)` rows); the number of tiles
   computed is not. `split`: inside `jax.shard_map`, the weights are this device's shards (`ExpertSplit`).
+  `bf16`: bfloat16 products with float32 accumulation (`tile_mlp`).
   """
-  mlp = lambda xs, layout, tile: tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile, split)
+  mlp = lambda xs, layout, tile: tile_mlp(xs, layout.first_tile, layout.num_tiles, gate_up, down, tile, split, bf16)
   return _routed(x, weights, idx, gate_up.shape[0], mlp, tile_rows)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import head, layers, moe, remat, scan, structure
+from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -88,11 +88,13 @@ class DecoderLayer(nnx.Module):
     dtype, pdtype = _dtype(config.dtype), _dtype(config.param_dtype)
     h, eps, std = config.hidden_size, config.rms_norm_eps, config.initializer_range
     self.self_attn = Attention(config, layer_idx, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype, std=std)
+    self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype, std=std,
+                          matmul_dtype=config.matmul_dtype)
     self.router = moe.Router(h, config.num_experts, config.top_k_experts, eps=eps, rngs=rngs, dtype=dtype,
                              param_dtype=pdtype, std=std)
     self.experts = moe.Experts(h, config.moe_intermediate_size, config.num_experts, rngs=rngs, dtype=dtype,
-                               param_dtype=pdtype, std=std, impl=config.moe_impl)
+                               param_dtype=pdtype, std=std, impl=config.moe_impl,
+                               matmul_dtype=config.matmul_dtype)
     norm = lambda: layers.RMSNorm(h, eps=eps, param_dtype=pdtype)  # noqa: E731
     self.input_layernorm = norm()
     self.post_attention_layernorm = norm()
@@ -134,7 +136,7 @@ class SelfConditioning(nnx.Module):
     self.pre_norm = layers.RMSNorm(h, eps=eps, param_dtype=pdtype)
     self.post_norm = layers.RMSNorm(h, eps=eps, with_scale=False)
     self.mlp = layers.MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=pdtype,
-                          std=config.initializer_range)
+                          std=config.initializer_range, matmul_dtype=config.matmul_dtype)
 
   def __call__(self, embeds: Array, soft: Array) -> Array:
     return self.post_norm(embeds + self.mlp(self.pre_norm(soft)))
@@ -164,7 +166,10 @@ class DiffusionGemma(nnx.Module):
   def lm_logits(self, hidden: Array) -> Array:
     """hidden [B, L, H] (final-normed) -> soft-capped fp32 logits [B, L, V] through the tied embedding."""
     w = self.embed_tokens[...].astype(self.dtype)
-    logits = (layers.tokens_2d(hidden) @ w.T).reshape(*hidden.shape[:-1], -1).astype(jnp.float32)  # [B, L, V]
+    if self.config.matmul_dtype == "bfloat16":
+      logits = matmul.bf16_matmul(layers.tokens_2d(hidden), w, True).reshape(*hidden.shape[:-1], -1)  # [B, L, V]
+    else:
+      logits = (layers.tokens_2d(hidden) @ w.T).reshape(*hidden.shape[:-1], -1).astype(jnp.float32)  # [B, L, V]
     cap = self.config.final_logit_softcapping
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
@@ -183,7 +188,10 @@ class DiffusionGemma(nnx.Module):
       return head.soft_embeddings_of_logits(logits, w, self.dtype, tile)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(w.dtype)
     scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype).astype(self.dtype)
-    soft = (layers.tokens_2d(probs) @ w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
+    if self.config.matmul_dtype == "bfloat16":
+      soft = matmul.bf16_matmul(layers.tokens_2d(probs), w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
+    else:
+      soft = (layers.tokens_2d(probs) @ w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
     return soft.astype(self.dtype) * scale
 
   def _rope(self, positions: Array) -> dict[str, tuple[Array, Array]]:

@@ -49,7 +49,7 @@ from hackable_diffusion.training import trainer as trainer_lib
 from hackable_diffusion.training.sft_config import SFTConfig
 
 BASE_MODEL_DIR = "base_model"
-_NON_HF_FIELDS = ("attention_structure", "moe_impl", "remat", "scan_layers")  # ModelConfig fields config.json does not carry
+_NON_HF_FIELDS = ("attention_structure", "moe_impl", "remat", "scan_layers", "matmul_dtype")  # not in config.json
 
 
 # ---- model ------------------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 from hackable_diffusion import lora
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig
+from hackable_diffusion.model import matmul
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, forward, init_model
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
@@ -154,6 +157,18 @@ def test_merge_equals_adapter_logits_and_returns_a_plain_model(base, wrapped):
   again = nnx.merge(nnx.graphdef(model), base_state, adapter_state)
   np.testing.assert_array_equal(np.asarray(again.layers[0].self_attn.q_proj.lora_b[...]),
                                 np.asarray(q.lora_b[...]))
+
+
+def test_bfloat16_products_survive_adapters_and_merge(base):
+  """A model with `matmul_dtype='bfloat16'` keeps its bf16 projections and tiled experts through `apply_lora` and
+  `merge` (the merged graph is the bf16 base's, which differs from the float32 base's)."""
+  base16 = init_model(dataclasses.replace(CFG, matmul_dtype="bfloat16"), 0)
+  assert nnx.graphdef(base16) != nnx.graphdef(base)
+  model = lora.apply_lora(base16, lora.LoraConfig(rank=2, alpha=6.0, target_modules=ALL), rngs=nnx.Rngs(1))
+  assert model.layers[0].self_attn.q_proj.dot_general is matmul.bf16_dot_general
+  assert model.layers[1].experts.matmul_dtype == "bfloat16"
+  merged = lora.merge(model)
+  assert nnx.graphdef(merged) == nnx.graphdef(base16)
 
 
 def test_dropout_only_with_an_explicit_key():
