@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.model import matmul, moe
+from hackable_diffusion.model import matmul, moe, scan
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import init_model
 
@@ -133,3 +133,31 @@ def test_model_in_bfloat16_products_tracks_float32_and_rejects_unknown_values():
   assert err > 0
   with pytest.raises(ConfigError, match="matmul_dtype='fp8'"):
     dataclasses.replace(cfg, matmul_dtype="fp8")
+
+
+def test_model_wires_every_projection_but_the_router_and_the_head():
+  """Every nnx.Linear but the router's takes the bf16 product, every expert block the bf16 tiled kernel, and the
+  untiled tied head is the bf16-rounded product (float64 reference) before the softcap; stacking the layers
+  (`scan_layers`) keeps all of it."""
+  cfg = dataclasses.replace(get_preset("tiny"), matmul_dtype="bfloat16")
+  model = init_model(cfg, seed=0)
+  linears = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)]
+  assert len(linears) > cfg.num_hidden_layers * 4
+  for path, node in linears:
+    want = jax.lax.dot_general if "router" in path else matmul.bf16_dot_general
+    assert node.dot_general is want, path
+  assert all(layer.experts.matmul_dtype == "bfloat16" for layer in model.layers)
+  hidden = jax.random.normal(jax.random.key(2), (2, 3, cfg.hidden_size))
+  z = bf16_round(hidden).reshape(6, -1) @ bf16_round(model.embed_tokens[...]).T  # [6, V]
+  cap = cfg.final_logit_softcapping
+  want = (np.tanh(z / cap) * cap).reshape(2, 3, -1)
+  np.testing.assert_allclose(np.asarray(model.lm_logits(hidden)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+  stacked = scan.stack_layers(init_model(cfg, seed=0))
+  ids = jax.random.randint(jax.random.key(0), (2, cfg.canvas_length), 3, cfg.vocab_size)
+  prompt = jax.random.randint(jax.random.key(1), (2, 6), 3, cfg.vocab_size)
+
+  def logits(m):
+    _, cache = m.encode(prompt, m.init_cache(2, 6 + cfg.canvas_length))
+    return np.asarray(m.decode(ids, cache))
+
+  np.testing.assert_array_equal(logits(stacked), logits(model))
