@@ -3,13 +3,16 @@
 `--config=FILE` is an ml_collections config file (absl `config_flags`); a bare name (`--config=tiny.py`) is looked
 up in configs/. `make_flags_parser` resolves it, loads it once itself (a syntax error, an exception while it runs or
 a missing `get_config` is a one-line `FILE:LINE: ...` error instead of absl's traceback) and checks every
-`--config.a.b=...` key before absl sees them (an unknown key is a one-line error listing the valid ones);
+`--config.a.b=...` key before absl sees them (an unknown key is a one-line error listing the valid ones;
+`--config.model.overrides.FIELD=VALUE` may add any ModelConfig field the file does not list);
 `run_cli` turns the project's user-facing errors (`hackable_diffusion.errors`) into one line on stderr and exit
 code 1, followed by the traceback with `--verbose` (a flag every CLI has).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import re
 import sys
@@ -22,6 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from hackable_diffusion.errors import USER_ERRORS, ConfigError
+from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.training import config as config_lib
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
@@ -57,8 +61,15 @@ def prepare_argv(argv: list[str], *, name: str = "config",
   """Resolves `--config=NAME` into configs/ and checks `--config.a.b` keys before absl parses argv.
 
   `default_config`: the config used when argv has no `--config` (e.g. a workdir's config.json); override keys
-  are checked against it. Returns the rewritten argv; raises ConfigError (one line).
+  are checked against it. `--config.model.overrides.FIELD=VALUE` may name any ModelConfig field, also one the
+  config file does not list (`split_model_overrides`). Returns the rewritten argv; raises ConfigError (one line).
   """
+  return _prepare(argv, name, default_config)[0]
+
+
+def _prepare(argv: list[str], name: str,
+             default_config: ml_collections.ConfigDict | None) -> tuple[list[str], ml_collections.ConfigDict | None]:
+  """(prepare_argv's argv, the config the override keys were checked against: None without overrides)."""
   argv = list(argv)
   idx, value = flag_value(argv, name)
   keys = override_keys(argv, name)
@@ -66,8 +77,8 @@ def prepare_argv(argv: list[str], *, name: str = "config",
     if keys and default_config is None:
       raise ConfigError(f"--{name}.{keys[0]} given without --{name}=FILE")
     if keys:
-      config_lib.check_override_keys(default_config, keys, prefix=name)
-    return argv
+      _check_keys(default_config, keys, name)
+    return argv, default_config
   if value is None:
     raise ConfigError(f"--{name} needs a value, e.g. --{name}=configs/tiny.py")
   resolved = config_lib.resolve_config_path(value)
@@ -77,8 +88,73 @@ def prepare_argv(argv: list[str], *, name: str = "config",
     argv[idx + 1] = resolved
   config = config_lib.load_config_file(resolved)  # a broken file fails here in one line, not inside absl
   if keys:
-    config_lib.check_override_keys(config, keys, prefix=name)
-  return argv
+    _check_keys(config, keys, name)
+  return argv, config
+
+
+_MODEL_OVERRIDES = "model.overrides."
+
+
+def _new_model_field(config: ml_collections.ConfigDict, key: str) -> str | None:
+  """The ModelConfig field `key` ('model.overrides.FIELD') adds to `config`, or None when the config file already
+  has the key (or `key` is no model override)."""
+  if not key.startswith(_MODEL_OVERRIDES) or "model" not in config:
+    return None
+  field = key[len(_MODEL_OVERRIDES):]
+  present = config.model.get("overrides") or {}
+  return None if field in present else field
+
+
+def _check_keys(config: ml_collections.ConfigDict, keys: list[str], name: str) -> None:
+  fields = sorted(f.name for f in dataclasses.fields(ModelConfig))
+  for key in keys:
+    field = _new_model_field(config, key)
+    if field is not None and field not in fields:
+      raise ConfigError(f"unknown config key --{name}.{key}: {field!r} is not a ModelConfig field; valid keys: "
+                        f"{', '.join(fields)}")
+  config_lib.check_override_keys(config, [k for k in keys if _new_model_field(config, k) is None], prefix=name)
+
+
+def _parse_value(text: str) -> Any:
+  """A command-line value as a Python literal (`8`, `0.5`, `(1, 2)`, `True`/`true`), else the string itself."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def split_model_overrides(argv: list[str], config: ml_collections.ConfigDict | None,
+                          name: str = "config") -> tuple[list[str], dict[str, Any]]:
+  """(argv without the `--config.model.overrides.FIELD=VALUE` flags naming fields `config` lacks, {FIELD: value}).
+
+  absl's config flags only override keys a config file defines; these are set after it parsed the rest."""
+  rest, fields = [], {}
+  for arg in argv:
+    m = re.match(rf"^--?(no)?{re.escape(name)}\.([^=]+)(=(.*))?$", arg)
+    field = _new_model_field(config, m.group(2)) if (m and config is not None) else None
+    if field is None:
+      rest.append(arg)
+    elif m.group(1):  # --noconfig.model.overrides.FIELD
+      fields[field] = False
+    elif m.group(3) is None:
+      raise ConfigError(f"--{name}.{m.group(2)} needs a value: --{name}.{m.group(2)}=VALUE")
+    else:
+      fields[field] = _parse_value(m.group(4))
+  return rest, fields
+
+
+def set_model_overrides(config: ml_collections.ConfigDict, fields: dict[str, Any]) -> None:
+  """Adds `fields` to `config.model.overrides` (created if the file has none)."""
+  if not fields:
+    return
+  with config.unlocked():
+    if config.model.get("overrides") is None:
+      config.model.overrides = ml_collections.ConfigDict()
+    with config.model.overrides.unlocked():
+      for field, value in fields.items():
+        config.model.overrides[field] = value
 
 
 def workdir_config(workdir: str) -> ml_collections.ConfigDict:
@@ -178,7 +254,8 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
       _, workdir = flag_value(argv, "workdir")
       if workdir:
         default = workdir_config(workdir)
-    argv = prepare_argv(argv, name=name, default_config=default)
+    argv, config = _prepare(argv, name, default)
+    argv, model_fields = split_model_overrides(argv, config, name)
     if name not in flags.FLAGS:
       if default is not None:
         config_flags.DEFINE_config_dict(name, default, "The run's config (default: <workdir>/config.json); "
@@ -188,14 +265,17 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
       flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[name])  # listed by --help of the CLI
     sys.argv[:] = argv  # config_flags finds the override flags in sys.argv
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
     except flags.Error as e:
       raise ConfigError(str(e).splitlines()[0]) from None
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # an override config_flags could not apply
       raise ConfigError(f"bad --{name} override: {' '.join(str(e).split())}") from None
+    set_model_overrides(flags.FLAGS[name].value, model_fields)
+    return rest
 
   return parse
 
 
 __all__ = ["CONFIG_HELP", "VERBOSE_FLAG", "error_line", "fail", "flag_value", "flags_were_set", "make_flags_parser",
-           "override_keys", "prepare_argv", "run_cli", "verbose_requested", "workdir_config"]
+           "override_keys", "prepare_argv", "run_cli", "set_model_overrides", "split_model_overrides",
+           "verbose_requested", "workdir_config"]

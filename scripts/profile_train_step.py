@@ -9,6 +9,7 @@ the sums exceed the step's wall time.
 
   python scripts/profile_train_step.py --size=100m            # ~1 min
   python scripts/profile_train_step.py --size=sudoku --top=40
+  python scripts/profile_train_step.py --size=sudoku --matmul_dtype=bfloat16    # bf16 products (AMX)
 
 This is how the 3-D projections' transposing copies were found (docs/benchmarks.md, "Training").
 """
@@ -71,12 +72,13 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--size", default="100m", choices=sorted(SIZES))
   parser.add_argument("--top", type=int, default=25, help="thunks to list")
+  parser.add_argument("--matmul_dtype", default="auto", help="ModelConfig.matmul_dtype: 'auto' or 'bfloat16'")
   args = parser.parse_args(argv)
 
   size = SIZES[args.size]
   batch = make_batch(size)
   key = jax.random.key(1)
-  compiled, state, compile_s, _, _ = make_our_step(init_model(size.model, 0), batch, key)
+  compiled, state, compile_s, _, _ = make_our_step(init_model(size.model.replace(matmul_dtype=args.matmul_dtype), 0), batch, key)
   state, metrics = compiled(state, batch, key)  # warm-up
   jax.block_until_ready((state, metrics))
   with tempfile.TemporaryDirectory() as trace_dir:

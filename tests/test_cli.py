@@ -75,6 +75,9 @@ def test_bad_inputs_print_one_line(env, tmp_path):
                  f"--workdir={tmp_path / 'w2'}"], r"eval\.sampling\.t_min=0\.9"),
       ("train", ["--config=tiny.py", "--config.eval.sampling.acceptance=no_such_rule",
                  f"--workdir={tmp_path / 'w3'}"], r"eval\.sampling\.acceptance='no_such_rule'"),
+      # a model field the file does not list: accepted by the CLI, its value checked before any data is written
+      ("train", ["--config=tiny.py", "--config.model.overrides.matmul_dtype=fp8", f"--workdir={tmp_path / 'w4'}"],
+       r"model\.overrides: ModelConfig\.matmul_dtype='fp8'; expected one of"),
   ]
   for module, args, pattern in cases:
     res = cli(module, *args, env=env, cwd=tmp_path)
@@ -82,7 +85,7 @@ def test_bad_inputs_print_one_line(env, tmp_path):
     assert res.returncode == 1, (module, args)
     assert len(lines) == 1 and lines[0].startswith("error: "), (module, args, res.stderr)
     assert re.search(pattern, lines[0]), (pattern, lines[0])
-  for name in ("w2", "w3"):  # refused before the workdir was written
+  for name in ("w2", "w3", "w4"):  # refused before the workdir was written
     assert not (tmp_path / name).exists()
 
 
@@ -94,8 +97,8 @@ def test_argv_checks_in_process(tmp_path):
   argv = cli_lib.prepare_argv(["prog", "--config", "tiny", "--config.train.steps=3"])
   assert os.path.samefile(argv[2], shipped)
   for argv, match in ((["prog", "--config=tiny.py", "--config.train.stepz=3"], "train has no 'stepz'; valid keys"),
-                      (["prog", "--config=tiny.py", "--config.model.overrides.hidden_size=3"],
-                       "overrides has no 'hidden_size'; valid keys: canvas_length"),
+                      (["prog", "--config=tiny.py", "--config.model.overrides.hidden_sise=3"],
+                       "'hidden_sise' is not a ModelConfig field; valid keys: .*hidden_size"),
                       (["prog", "--config.train.steps=3"], "given without --config=FILE"),
                       (["prog", "--config=nope.py"], "'nope.py' not found")):
     with pytest.raises(config_lib.ConfigError, match=match) as err:
@@ -104,6 +107,27 @@ def test_argv_checks_in_process(tmp_path):
   default = config_lib.load_config_file("tiny.py")
   assert cli_lib.prepare_argv(["prog", "--config.eval.seed=3"], default_config=default) == [
       "prog", "--config.eval.seed=3"]
+
+
+def test_model_overrides_the_config_file_lacks():
+  """`--config.model.overrides.FIELD=VALUE` adds any ModelConfig field (absl only overrides keys a file defines):
+  those flags leave argv (absl would refuse them) and are set after parsing; keys the file has stay for absl."""
+  config = config_lib.load_config_file("tiny.py")
+  assert "hidden_size" not in config.model.overrides and "canvas_length" in config.model.overrides
+  argv = ["prog", "--config=tiny.py", "--config.model.overrides.hidden_size=48", "--config.train.steps=3",
+          "--config.model.overrides.canvas_length=16", "--config.model.overrides.layer_types=('full_attention','full_attention')",
+          "--config.model.overrides.matmul_dtype=bfloat16", "--noconfig.model.overrides.scan_layers",
+          "--config.model.overrides.final_logit_softcapping=None"]
+  assert cli_lib.prepare_argv(argv)[2:] == argv[2:]  # all keys accepted (argv[1]: the resolved path)
+  rest, fields = cli_lib.split_model_overrides(argv, config)
+  assert rest == ["prog", "--config=tiny.py", "--config.train.steps=3", "--config.model.overrides.canvas_length=16"]
+  assert fields == {"hidden_size": 48, "layer_types": ("full_attention", "full_attention"), "matmul_dtype": "bfloat16",
+                    "scan_layers": False, "final_logit_softcapping": None}
+  cli_lib.set_model_overrides(config, fields)
+  assert config.model.overrides.hidden_size == 48 and config.model.overrides.canvas_length == 8
+  assert config_lib.ExperimentConfig.from_config_dict(config).model.overrides["matmul_dtype"] == "bfloat16"
+  with pytest.raises(config_lib.ConfigError, match="needs a value"):
+    cli_lib.split_model_overrides(["prog", "--config.model.overrides.num_experts", "8"], config)
 
 
 def test_bad_data_errors_in_process(tmp_path):
@@ -144,8 +168,9 @@ def killed_and_resumed(env, tmp_path_factory):
   workdir, then reruns the same command, which resumes and finishes."""
   tmp = tmp_path_factory.mktemp("cli_run")
   workdir = str(tmp / "run")
+  # scan_layers: a ModelConfig field tiny.py's model.overrides does not list (its default value: same model)
   args = [sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
-          *TRAIN_OVERRIDES]
+          *TRAIN_OVERRIDES, "--config.model.overrides.scan_layers=false"]
   proc = subprocess.Popen(args, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     seen = _wait_for_checkpoint(proc, workdir, 50, timeout=240)
@@ -168,6 +193,8 @@ def test_sigkill_then_resume_finishes(killed_and_resumed):
   workdir, at_kill, res, _, _ = killed_and_resumed
   assert res.returncode == 0, res.stderr[-2000:]
   assert f"done: {workdir}" in res.stdout
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["model"]["overrides"] == {"canvas_length": 8, "scan_layers": False}
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   assert ckpt.latest_step() == STEPS
   steps = [r["step"] for r in log_lib.read_metrics(workdir) if "train/loss" in r]

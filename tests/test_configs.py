@@ -95,6 +95,21 @@ def test_unknown_and_invalid_keys_are_one_line_errors():
   bad["model"]["overrides"]["hidden_sise"] = 3
   with pytest.raises(config_lib.ConfigError, match="model.overrides has unknown key"):
     config_lib.ExperimentConfig.from_config_dict(bad)
+  # the model a fresh init will build is checked when the config is read (before data or tokenizer exist)
+  for overrides, match in (({"top_k_experts": 9}, r"model.overrides: ModelConfig.top_k_experts=9 exceeds"),
+                           ({"vocab_size": 16, "pad_token_id": 20}, r"model.overrides: special token id 20"),
+                           ({"matmul_dtype": "fp8"}, r"model.overrides: ModelConfig.matmul_dtype='fp8'")):
+    bad = raw.to_dict()
+    bad["model"]["overrides"].update(overrides)
+    with pytest.raises(config_lib.ConfigError, match=match):
+      config_lib.ExperimentConfig.from_config_dict(bad)
+  bad = raw.to_dict()
+  bad["model"]["preset"] = "tinyy"
+  with pytest.raises(config_lib.ConfigError, match=r"model.preset: unknown model preset 'tinyy'"):
+    config_lib.ExperimentConfig.from_config_dict(bad)
+  fine = raw.to_dict()  # special ids the tokenizer will supply are not judged against the preset's vocabulary
+  fine["model"]["overrides"].update(pad_token_id=5000)
+  assert config_lib.ExperimentConfig.from_config_dict(fine).model.overrides["pad_token_id"] == 5000
   bad = raw.to_dict()
   bad["bogus"] = {}
   with pytest.raises(config_lib.ConfigError, match="unknown config section"):

@@ -35,7 +35,7 @@ from hackable_diffusion.data.chat import chat_template_kind
 from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.errors import ConfigError, TrainingError
 from hackable_diffusion.lora.adapters import LoraConfig
-from hackable_diffusion.model.config import ModelConfig
+from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sharding.mesh import MESH_AXES, MeshConfig
 from hackable_diffusion.training.config_files import (CONFIG_FILENAME, CONFIGS_DIR, apply_overrides,
@@ -86,6 +86,32 @@ class ModelSection:
       raise ConfigError(f"model.overrides has unknown key(s) {unknown}; valid keys: {sorted(fields)}")
     if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'")
+    if self.preset:
+      check_preset_overrides(self.preset, self.overrides)
+
+
+_TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")
+
+
+def check_preset_overrides(preset: str, overrides: Mapping[str, Any]) -> None:
+  """Raises the one-line ConfigError `get_preset(preset, **overrides)` would raise when the run builds its model,
+  now (before any data is generated or read). The fields a fresh init takes from the tokenizer when unset
+  (`vocab_size`, the special token ids) get placeholders that always fit; the run checks the real ones."""
+  try:
+    get_preset(preset)
+  except ConfigError as e:
+    raise ConfigError(f"model.preset: {e}") from None
+  trial = dict(overrides)
+  if "vocab_size" not in trial:  # the tokenizer's size, known later: every id fits for now
+    trial["vocab_size"] = 1 << 30
+  for name in _TOKENIZER_FIELDS[1:]:
+    trial.setdefault(name, 0)
+  try:
+    get_preset(preset, **trial)
+  except ConfigError as e:
+    raise ConfigError(f"model.overrides: {e}") from None
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"model.overrides: {' '.join(str(e).split())}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
