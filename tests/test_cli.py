@@ -115,7 +115,8 @@ def test_model_overrides_the_config_file_lacks():
   config = config_lib.load_config_file("tiny.py")
   assert "hidden_size" not in config.model.overrides and "canvas_length" in config.model.overrides
   argv = ["prog", "--config=tiny.py", "--config.model.overrides.hidden_size=48", "--config.train.steps=3",
-          "--config.model.overrides.canvas_length=16", "--config.model.overrides.layer_types=('full_attention','full_attention')",
+          "--config.model.overrides.canvas_length=16",
+          "--config.model.overrides.layer_types=('full_attention','full_attention')",
           "--config.model.overrides.matmul_dtype=bfloat16", "--noconfig.model.overrides.scan_layers",
           "--config.model.overrides.final_logit_softcapping=None"]
   assert cli_lib.prepare_argv(argv)[2:] == argv[2:]  # all keys accepted (argv[1]: the resolved path)

@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="auto",  # parameter dtype when loading a checkpoint ("auto": the dtype it was saved in)
       # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
       # matmul_dtype 'bfloat16': bf16 products on AMX CPUs, ~1.35x the step's speed, but 78.3 / 86.3 / 87.0% instead of
-      # 90.3 / 89.3 / 90.7% at 2,000 steps (docs/sudoku.md); kept here so that the CLI can set it
+      # 90.3 / 89.3 / 90.7% at 2,000 steps (docs/sudoku.md); listed to show the choice
       overrides=ml_collections.ConfigDict(dict(canvas_length=81, attention_structure=STRUCTURE, matmul_dtype="auto")),
   ))
 
