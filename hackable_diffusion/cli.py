@@ -121,7 +121,7 @@ def _parse_value(text: str) -> Any:
     return text.lower() == "true"
   try:
     return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
+  except (ValueError, SyntaxError, TypeError):  # TypeError: e.g. `{[1]: 2}` (an unhashable key)
     return text
 
 

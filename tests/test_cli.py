@@ -129,6 +129,10 @@ def test_model_overrides_the_config_file_lacks():
   assert config_lib.ExperimentConfig.from_config_dict(config).model.overrides["matmul_dtype"] == "bfloat16"
   with pytest.raises(config_lib.ConfigError, match="needs a value"):
     cli_lib.split_model_overrides(["prog", "--config.model.overrides.num_experts", "8"], config)
+  # what is no Python literal stays a string (ModelConfig then names the field if it is a bad value)
+  _, fields = cli_lib.split_model_overrides(["prog", "--config.model.overrides.moe_impl={[1]: 2}",
+                                             "--config.model.overrides.attention_structure=pkg.mod:mask"], config)
+  assert fields == {"moe_impl": "{[1]: 2}", "attention_structure": "pkg.mod:mask"}
 
 
 def test_bad_data_errors_in_process(tmp_path):
