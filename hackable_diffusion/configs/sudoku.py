@@ -94,6 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
       loss_variant="flat",  # 'flat' | 'corrupted' | 'elbo'
       schedule="linear",  # alpha_t = 1 - t
       time_eps=1e-4,
+      time_min=0.0,  # t ~ U(max(time_eps, time_min), 1 - time_eps)
       self_conditioning_prob=0.5,
       encoder_ar_weight=0.0,  # one canvas: the AR term would only double the encoder's cost (README table)
       encoder_gradients=True,  # False: the encoder pass runs forward only (no backward through the KV cache)

@@ -4,7 +4,8 @@ The forward process of DiffusionGemma's SFT recipes (REFERENCE §3; the uniform-
 Austin et al. 2021 "D3PM", as used by UDLM, Schiff et al. 2024, and Duo, Sahoo et al. 2025):
 `q(z_t | x) = alpha_t * onehot(x) + (1 - alpha_t) / V`, i.e. each token is kept with probability
 `alpha_t` and otherwise resampled uniformly from the whole vocabulary. `t ~ U(eps, 1 - eps)` per
-example (eps = 1e-4 in the gemma JAX recipe) and `alpha_t = 1 - t` (linear schedule).
+example (eps = 1e-4 in the gemma JAX recipe; optionally from a floor `t_min`) and `alpha_t = 1 - t` (linear
+schedule).
 
 All functions are pure, take explicit `jax.random` keys and are `jit`-friendly (sizes such as
 `vocab_size` and `canvas_length` are static Python ints).
@@ -19,14 +20,17 @@ import jax
 import jax.numpy as jnp
 
 
-def sample_time(key: jax.Array, batch: int, eps: float = 1e-4) -> jax.Array:
-  """Diffusion times `t ~ U(eps, 1 - eps)`, one per example: `[batch]` float32.
+def sample_time(key: jax.Array, batch: int, eps: float = 1e-4, t_min: float = 0.0) -> jax.Array:
+  """Diffusion times `t ~ U(max(eps, t_min), 1 - eps)`, one per example: `[batch]` float32.
 
-  The eps margin keeps `alpha_t` away from exactly 0 or 1 (gemma JAX recipe: eps = 1e-4).
+  The eps margin keeps `alpha_t` away from exactly 0 or 1 (gemma JAX recipe: eps = 1e-4). `t_min` > 0 leaves the
+  lightly corrupted canvases out of training (times the model has long learnt; docs/sudoku.md).
   """
   if not 0.0 <= eps < 0.5:
     raise ValueError(f'eps must be in [0, 0.5), got {eps!r}')
-  return jax.random.uniform(key, (batch,), jnp.float32, minval=eps, maxval=1.0 - eps)
+  if not 0.0 <= t_min < 1.0 - eps:
+    raise ValueError(f't_min must be in [0, 1 - eps) = [0, {1.0 - eps}), got {t_min!r}')
+  return jax.random.uniform(key, (batch,), jnp.float32, minval=max(eps, t_min), maxval=1.0 - eps)
 
 
 # ------------------------------------------------------------------------------------------ schedules

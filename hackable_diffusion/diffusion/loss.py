@@ -44,7 +44,9 @@ class LossConfig:
 
   variant: the diffusion term, a `LOSS_TERMS` name ('flat', 'corrupted', 'elbo') or 'package.module:Factory'
     (`Factory()` returns a `LossTerm`). schedule: the keep-probability schedule ('linear', 'cosine'). time_eps: `t ~
-    U(eps, 1 - eps)`. self_conditioning_prob: per-example probability of a self-conditioned second pass.
+    U(eps, 1 - eps)`. time_min: a floor on the training times, `t ~ U(max(eps, time_min), 1 - eps)` (0: the
+    reference recipe); the canvases below it are almost clean, and a small model learns them long before the rest.
+    self_conditioning_prob: per-example probability of a self-conditioned second pass.
     encoder_ar_weight: weight of the encoder's next-token loss (0: the last canvas is not encoded).
     self_conditioning_passes: decoder passes without gradient before the trained one: 1 (the reference recipe)
     computes the self-conditioning input without self-conditioning; each further pass feeds the previous pass's
@@ -60,6 +62,7 @@ class LossConfig:
   variant: str = "flat"
   schedule: str = "linear"
   time_eps: float = 1e-4
+  time_min: float = 0.0
   self_conditioning_prob: float = 0.5
   encoder_ar_weight: float = 1.0
   encoder_gradients: bool = True
@@ -74,6 +77,8 @@ class LossConfig:
       raise ConfigError(f"diffusion.schedule={self.schedule!r}: {e}") from None
     if not 0.0 <= self.time_eps < 0.5:
       raise ConfigError(f"diffusion.time_eps={self.time_eps}; expected a value in [0, 0.5)")
+    if not 0.0 <= self.time_min < 1.0 - self.time_eps:
+      raise ConfigError(f"diffusion.time_min={self.time_min}; expected a value in [0, 1 - time_eps)")
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
       raise ConfigError(f"diffusion.self_conditioning_prob={self.self_conditioning_prob}; expected [0, 1]")
     if self.encoder_ar_weight < 0:
@@ -133,7 +138,7 @@ def draw_noise(key: jax.Array, batch: SFTBatch, canvas_length: int, vocab_size: 
     pinned, _ = corruption.gather_canvas(batch.completion_pinned, batch.completion_mask, index, canvas_length)
     pinned = pinned.astype(bool) & valid
   b = clean.shape[0]
-  t = corruption.sample_time(k_time, b, config.time_eps)
+  t = corruption.sample_time(k_time, b, config.time_eps, config.time_min)
   alpha = corruption.get_schedule(config.schedule).alpha(t)
   noisy, corrupted = corruption.corrupt_uniform(k_noise, clean, alpha, vocab_size, protected_mask=pinned)
   use_sc = jax.random.bernoulli(k_sc, config.self_conditioning_prob, (b,))

@@ -33,6 +33,17 @@ def test_sample_time_range_shape_and_mean():
     C.sample_time(jax.random.key(0), 4, eps=0.5)
 
 
+def test_a_time_floor_draws_uniformly_above_it():
+  t = C.sample_time(jax.random.key(0), 20000, eps=1e-4, t_min=0.3)
+  assert float(t.min()) >= 0.3 and float(t.max()) <= 1 - 1e-4
+  assert abs(float(t.mean()) - 0.65) < 6 * math.sqrt(0.7 ** 2 / 12 / 20000)
+  stat, bound = chi_square_uniform(np.histogram(np.asarray(t), bins=14, range=(0.3, 1.0))[0])
+  assert stat < bound
+  for bad in (-0.1, 1 - 1e-4, 1.0):
+    with pytest.raises(ValueError, match='t_min'):
+      C.sample_time(jax.random.key(0), 4, t_min=bad)
+
+
 # ------------------------------------------------------------------------------------------ schedules
 @pytest.mark.parametrize('name,alpha_fn', [
     ('linear', lambda t: 1 - t),

@@ -123,6 +123,16 @@ def test_canvas_choice_respects_completion_length(setup):
   np.testing.assert_array_equal(counts > 0, [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
 
 
+def test_the_time_floor_reaches_the_drawn_noise(setup):
+  _, _, batch = setup
+  ts = np.concatenate([np.asarray(draw_noise(jax.random.key(s), batch, C, 64, LossConfig(time_min=0.6)).t)
+                       for s in range(50)])
+  assert ts.min() >= 0.6 and ts.max() < 1.0
+  # the same draws without a floor would fall below it about 60% of the time
+  free = np.concatenate([np.asarray(draw_noise(jax.random.key(s), batch, C, 64, LossConfig()).t) for s in range(50)])
+  assert (free < 0.6).mean() > 0.4
+
+
 def _posterior(s: float, t: float, z: int, x: np.ndarray, n: int) -> np.ndarray:
   """q(z_s | z_t = z, x) for the uniform process with alpha = 1 - t, x a probability vector (brute force)."""
   a_s, a_t = 1 - s, 1 - t
@@ -171,6 +181,8 @@ def test_loss_config_validation():
                         ({"variant": "custom_components:NOT_CALLABLE"}, "is a str, not a class or function"),
                         ({"variant": "custom_components:not_a_task"}, "must return a LossTerm"),
                         ({"schedule": "cubic"}, "diffusion.schedule='cubic'"),
+                        ({"time_min": 1.0}, "diffusion.time_min=1.0; expected a value in"),
+                        ({"time_min": -0.2}, "diffusion.time_min=-0.2; expected a value in"),
                         ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5"),
                         ({"self_conditioning_passes": 0}, "self_conditioning_passes=0; expected an integer"),
                         ({"encoder_gradients": "no"}, "encoder_gradients='no'; expected True or False"),

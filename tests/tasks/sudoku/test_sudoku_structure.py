@@ -39,8 +39,17 @@ def test_the_prompt_peer_mask_shows_each_cell_its_peers_in_the_prompt_grid_and_t
   assert mask[0, 0, 0, 72] and not mask[0, 0, 0, 30]  # cell 0 sees prompt cell 72 (its column), not cell 30
 
 
+def test_the_own_cell_mask_gives_head_0_the_cells_own_prompt_character_and_the_others_the_whole_prompt():
+  mask = model_structure.canvas_mask(get_preset("sudoku", attention_structure=structure.OWN_CELL_PEER_MASK))
+  assert mask.shape == (1, 4, 81, 162)
+  peers = structure.peer_matrix()
+  assert (mask[0, 0, :, :81] == np.eye(81, dtype=bool)).all()
+  assert mask[0, 1:, :, :81].all()
+  assert all((mask[0, h, :, 81:] == peers).all() for h in range(4))
+
+
 def test_wrong_canvas_and_old_names_are_one_line_errors():
-  for spec in (structure.PEER_MASK, structure.PROMPT_PEER_MASK):
+  for spec in (structure.PEER_MASK, structure.PROMPT_PEER_MASK, structure.OWN_CELL_PEER_MASK):
     with pytest.raises(ConfigError, match="needs canvas_length=81, got 8"):
       get_preset("tiny", attention_structure=spec)
   for old, new in (("sudoku_peers", structure.PEER_MASK), ("sudoku_peers_per_head", structure.PER_HEAD_PEER_MASK)):
