@@ -30,6 +30,7 @@ import time
 import jax
 
 from benchmark_train import SIZES, make_batch, make_our_step
+from hackable_diffusion.model.matmul import MATMUL_DTYPES
 from hackable_diffusion.model.transformer import init_model
 
 _SKIP = ("ThunkExecutor", "Await", "PjitFunction", "$")
@@ -72,13 +73,14 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--size", default="100m", choices=sorted(SIZES))
   parser.add_argument("--top", type=int, default=25, help="thunks to list")
-  parser.add_argument("--matmul_dtype", default="auto", help="ModelConfig.matmul_dtype: 'auto' or 'bfloat16'")
+  parser.add_argument("--matmul_dtype", default="auto", choices=MATMUL_DTYPES, help="ModelConfig.matmul_dtype")
   args = parser.parse_args(argv)
 
   size = SIZES[args.size]
   batch = make_batch(size)
   key = jax.random.key(1)
-  compiled, state, compile_s, _, _ = make_our_step(init_model(size.model.replace(matmul_dtype=args.matmul_dtype), 0), batch, key)
+  model = init_model(size.model.replace(matmul_dtype=args.matmul_dtype), 0)
+  compiled, state, compile_s, _, _ = make_our_step(model, batch, key)
   state, metrics = compiled(state, batch, key)  # warm-up
   jax.block_until_ready((state, metrics))
   with tempfile.TemporaryDirectory() as trace_dir:

@@ -75,6 +75,10 @@ class LossConfig:
       corruption.get_schedule(self.schedule)
     except ValueError as e:
       raise ConfigError(f"diffusion.schedule={self.schedule!r}: {e}") from None
+    for name in ("time_eps", "time_min"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"diffusion.{name}={value!r}; expected a number")
     if not 0.0 <= self.time_eps < 0.5:
       raise ConfigError(f"diffusion.time_eps={self.time_eps}; expected a value in [0, 0.5)")
     if not 0.0 <= self.time_min < 1.0 - self.time_eps:

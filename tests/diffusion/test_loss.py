@@ -183,6 +183,8 @@ def test_loss_config_validation():
                         ({"schedule": "cubic"}, "diffusion.schedule='cubic'"),
                         ({"time_min": 1.0}, "diffusion.time_min=1.0; expected a value in"),
                         ({"time_min": -0.2}, "diffusion.time_min=-0.2; expected a value in"),
+                        ({"time_min": "0.3"}, "diffusion.time_min='0.3'; expected a number"),
+                        ({"time_eps": None}, "diffusion.time_eps=None; expected a number"),
                         ({"self_conditioning_prob": 1.5}, "self_conditioning_prob=1.5"),
                         ({"self_conditioning_passes": 0}, "self_conditioning_passes=0; expected an integer"),
                         ({"encoder_gradients": "no"}, "encoder_gradients='no'; expected True or False"),
