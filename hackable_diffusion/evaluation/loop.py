@@ -39,7 +39,7 @@ from hackable_diffusion.files import write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
-from hackable_diffusion.sampling.stream import StreamRequest, generate_stream
+from hackable_diffusion.sampling.stream import StreamRequest, generate_stream, longest_first
 
 REPORT_PATTERN = "report_step_{step}.json"
 PLOT_PATTERN = "accuracy_vs_steps_step_{step}.png"
@@ -196,10 +196,12 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   Example `i` samples with its own key `fold_in(rng, i)` (the per-row loop, `sampling.denoise_rows`), so its
   completion does not depend on the batch it runs in. On one device the examples stream through `batch_size` slots
   (`generate_stream`: a row that stops early leaves and the next example takes its slot, so the time follows the
-  steps actually taken); on a mesh, batches of `batch_size` examples are padded to `batch_rows(batch_size, n,
-  mesh)` rows (repeating the first row) and split over its batch axes (see the module docstring). Both give the
-  same completions. Start canvases: the task's `seed_canvas` hook, else the data's pinned completion tokens
-  (`pinned_field`), else uniform noise (drawn per batch of `batch_size` examples, the same either way).
+  steps actually taken; with early stopping and pins, the examples with the most free cells enter first,
+  `longest_first`, so short rows fill the tail); on a mesh, batches of `batch_size` examples are padded to
+  `batch_rows(batch_size, n, mesh)` rows (repeating the first row) and split over its batch axes (see the module
+  docstring). Both give the same completions. Start canvases: the task's `seed_canvas` hook, else the data's
+  pinned completion tokens (`pinned_field`), else uniform noise (drawn per batch of `batch_size` examples, the
+  same either way).
   """
   n = len(data)
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
@@ -216,11 +218,13 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   seed_ids = np.concatenate(seeds) if seeds else None
   pinned = np.concatenate(pins) if pins else None
   if mesh is None:
+    # with early stopping, the examples with the most free cells enter first (less tail; the same completions)
+    order = longest_first(pinned) if pinned is not None and sampling.early_stopping else np.arange(n)
     requests = (StreamRequest(prompt_ids[i], prompt_mask[i], None if seed_ids is None else seed_ids[i],
-                              None if pinned is None else pinned[i], keys[i]) for i in range(n))
+                              None if pinned is None else pinned[i], keys[i]) for i in order)
     outs = sorted(generate_stream(model, requests, sampling, rng=rng, batch_size=per, prompt_length=width,
-                                  allowed_token_ids=allowed), key=lambda o: o.index)
-    new_tokens = [o.sequence[int(prompt_mask[o.index].sum()):] for o in outs]
+                                  allowed_token_ids=allowed), key=lambda o: order[o.index])
+    new_tokens = [o.sequence[int(prompt_mask[order[o.index]].sum()):] for o in outs]
     step_rows = [o.denoising_steps for o in outs]
     tpf = [o.tokens_per_forward for o in outs]
   else:

@@ -178,6 +178,21 @@ def generate_stream(
         run.continuing[i] = True
 
 
+def longest_first(pinned: Any) -> np.ndarray:
+  """The order to feed requests to `generate_stream` in so that the rows likely to take the most steps start first:
+  most free (unpinned) canvas positions first, ties in input order. pinned `[n, T]` bool -> `[n]` indices.
+
+  With early stopping a row's steps grow with what it has to fill (Sudoku: blanks; correlation 0.82 on the main
+  job's test split), and a stream's last rows run on while the slots around them idle (the tail): starting the
+  long rows first leaves short ones for the tail (docs/sampling.md). Results do not depend on the order when every
+  request carries its own key.
+  """
+  pins = np.asarray(pinned, bool)
+  if pins.ndim != 2:
+    raise ValueError(f"longest_first: pinned has shape {pins.shape}; expected [requests, canvas tokens]")
+  return np.argsort(-(~pins).sum(axis=1), kind="stable")
+
+
 def _row_key(request: StreamRequest, rng: Array, index: int) -> Array:
   """The row's typed key: the request's own, else `fold_in(rng, index)`."""
   key = request.key if request.key is not None else jax.random.fold_in(rng, index)
@@ -309,4 +324,4 @@ class _Runner:
     return jax.random.key_data(jax.random.key(0, impl=self.shared.key_impl)).shape
 
 
-__all__ = ["StreamOutput", "StreamRequest", "generate_stream"]
+__all__ = ["StreamOutput", "StreamRequest", "generate_stream", "longest_first"]

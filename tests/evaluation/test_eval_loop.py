@@ -145,6 +145,53 @@ def test_data_pinned_tokens_are_pinned_in_evaluation(setup):
     assert sample["prediction"][0] == sample["target"][0] and sample["prediction"][4] == sample["target"][4]
 
 
+class _PinSome(BaseTask):
+  """Pins the first `3 - i % 4` positions of the i-th example of a batch (the later examples have more free
+  cells); digits only."""
+
+  name = "pin_some"
+  primary_metric = "count"
+
+  def metrics(self, predictions, records):
+    return {"count": float(len(predictions))}
+
+  def allowed_token_ids(self, tokenizer):
+    return tokenizer.token_ids_for("0123456789")
+
+  def seed_canvas(self, records, tokenizer, num_tokens):
+    seed = np.zeros((len(records), num_tokens), np.int32)
+    pinned = np.zeros((len(records), num_tokens), bool)
+    for i, r in enumerate(records):
+      k = 3 - i % 4
+      seed[i, :k] = tokenizer.encode(r.completion[:k])
+      pinned[i, :k] = True
+    return seed, pinned
+
+
+def test_early_stopping_streams_the_most_free_cells_first_with_the_same_completions(setup, monkeypatch):
+  """With early stopping and pins the stream is fed the examples with the most free cells first; every example
+  still gets the completion that fixed batches in input order give it (one device as a mesh: `generate`)."""
+  _, tok, model, data = setup
+  task = _PinSome()
+  early = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=4), max_new_tokens=8)[-1].sampling
+  assert early.early_stopping
+  free_seen = []
+  real = loop.generate_stream
+
+  def spy(model, requests, *args, **kwargs):
+    requests = list(requests)
+    free_seen.extend(int((~np.asarray(r.pinned, bool)).sum()) for r in requests)
+    return real(model, requests, *args, **kwargs)
+
+  monkeypatch.setattr(loop, "generate_stream", spy)
+  texts, _ = loop.generate_texts(model, tok, data, early, task, batch_size=4, rng=jax.random.key(3))
+  assert free_seen == [8, 7, 6, 5]  # examples 0..3 have 5..8 free cells: fed 3, 2, 1, 0
+  monkeypatch.undo()
+  mesh = jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+  fixed, _ = loop.generate_texts(model, tok, data, early, task, batch_size=4, rng=jax.random.key(3), mesh=mesh)
+  assert len(set(texts)) == len(texts) == 4 and texts == fixed
+
+
 def test_ablation_runs_and_trajectory(setup):
   """An ablation run is scored (and sampled) with its own task; the report holds the first example's canvas after
   every step of the last main run, with the task's pinned position held at every step."""

@@ -268,3 +268,10 @@ def test_self_conditioning_off_never_reads_the_previous_step(model, prompts):
   sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, self_conditioning=False, **CONFIG)
   for o in generate_stream(other, list(prompts), sampling, rng=rng, batch_size=3, chunk_steps=2):
     np.testing.assert_array_equal(o.sequence, off[o.index, :len(o.sequence)])
+
+
+def test_longest_first_orders_by_free_positions_then_input_order():
+  pinned = np.array([[1, 1, 0, 0], [0, 0, 0, 1], [1, 1, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]], bool)  # free: 2 3 1 2 4
+  assert stream.longest_first(pinned).tolist() == [4, 1, 0, 3, 2]
+  with pytest.raises(ValueError, match=r"pinned has shape \(4,\)"):
+    stream.longest_first(pinned[0])
