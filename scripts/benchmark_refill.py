@@ -113,8 +113,7 @@ def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps:
   return {"examples": n, "batch": batch, "chunk": chunk_steps, "order": "longest first" if order is not None else
           "as given", "refill": rate["stream"], "fixed": rate["fixed"], "fixed_sorted": rate["fixed_sorted"],
           "same": same, "steps": float(np.mean(steps)), "ideal": float(batches.mean() / per_row.mean()),
-          "score": None if score is None else score(stream),
-          "repeats": repeats}
+          "score": None if score is None else score(stream), "repeats": repeats}
 
 
 def cut(x: np.ndarray | None, k: int) -> np.ndarray | None:
