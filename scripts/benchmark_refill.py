@@ -106,14 +106,20 @@ def compare(model, ids, mask, seeds, pins, sampling, *, batch: int, chunk_steps:
                                                               for a, b in zip(fixed, stream))
   tokens = sum(len(s) for s in stream)
   rate = {k: tokens / float(np.median(v)) if v else None for k, v in times.items()}
-  # the ratio with no tail and no cost per call: the fixed batches' steps (each runs to its slowest row) over the
-  # rows' own mean steps
-  per_row = np.asarray(steps)
-  batches = per_row[np.resize(np.arange(n), -(-n // batch) * batch).reshape(-1, batch)].max(axis=1)
   return {"examples": n, "batch": batch, "chunk": chunk_steps, "order": "longest first" if order is not None else
           "as given", "refill": rate["stream"], "fixed": rate["fixed"], "fixed_sorted": rate["fixed_sorted"],
-          "same": same, "steps": float(np.mean(steps)), "ideal": float(batches.mean() / per_row.mean()),
+          "same": same, "steps": float(np.mean(steps)), "ideal": ideal_ratio(steps, batch),
           "score": None if score is None else score(stream), "repeats": repeats}
+
+
+def ideal_ratio(steps: Any, batch: int) -> float:
+  """The refilling loop's ratio with no tail and no cost per call: the fixed batches' steps (each of `batch`
+  examples in input order, the last padded with the first examples, runs to its slowest row) over the rows' own
+  mean steps `steps [n]`."""
+  per_row = np.asarray(steps, float)
+  n = per_row.size
+  batches = per_row[np.resize(np.arange(n), -(-n // batch) * batch).reshape(-1, batch)].max(axis=1)
+  return float(batches.mean() / per_row.mean())
 
 
 def cut(x: np.ndarray | None, k: int) -> np.ndarray | None:

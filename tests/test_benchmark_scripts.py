@@ -207,15 +207,21 @@ def test_live_peak_counts_one_buffer_once_and_sums_overlapping_ones():
   assert live_peak.live_peak(values + [("d{}", 5, 200)], ranges)[2] == 5  # a value without a live range
 
 
-def test_refill_sampler_overrides_replace_only_what_is_given():
+def _refill_module():
+  """scripts/benchmark_refill.py imported as a module (scripts/ is not a package)."""
   import importlib.util
-
-  import hackable_diffusion as hd
 
   path = os.path.join(ROOT, "scripts", "benchmark_refill.py")
   spec = importlib.util.spec_from_file_location("benchmark_refill", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module
+
+
+def test_refill_sampler_overrides_replace_only_what_is_given():
+  import hackable_diffusion as hd
+
+  module = _refill_module()
   base = hd.SamplingConfig(max_denoising_steps=24, t_min=0.4, t_max=0.8, confidence_threshold=0.05)
   assert module.override_sampler(base) == base  # every override 0: the run's own sampler
   warm = module.override_sampler(base, t_max=2.0, t_min=0.8, confidence_threshold=0.1)
@@ -226,6 +232,13 @@ def test_refill_sampler_overrides_replace_only_what_is_given():
 
   with pytest.raises(ConfigError, match=r"t_min=-1.0 is invalid"):  # validated, not silently used (main: one line)
     module.override_sampler(base, t_min=-1.0)
+
+
+def test_refill_ideal_ratio_is_the_fixed_batches_steps_over_the_rows_mean():
+  module = _refill_module()
+  # batches of 2: (2, 10) -> 10, (4, 4) -> 4, (6, padded with row 0: 2) -> 6; mean 20 / 3 over the rows' mean 26 / 5
+  assert module.ideal_ratio([2, 10, 4, 4, 6], 2) == pytest.approx((20 / 3) / (26 / 5))
+  assert module.ideal_ratio([3, 3, 3], 2) == pytest.approx(1.0)  # equal rows: nothing to gain
 
 
 @pytest.mark.parametrize("args, message", [

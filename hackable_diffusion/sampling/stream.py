@@ -99,7 +99,8 @@ def generate_stream(
   Args:
     model: a `DiffusionGemma`.
     requests: prompts (`[P]` id sequences) or `StreamRequest`s; read lazily, `batch_size` at a time (each block
-      is validated and encoded when the previous one has been taken into slots).
+      is validated and encoded when the previous one has been taken into slots). With early stopping and all
+      requests at hand, feeding them in `longest_first(pinned)` order shortens the tail (as the evaluation does).
     config: a `SamplingConfig` (as `generate`).
     rng: a `jax.random` key; request `i` without its own key uses `fold_in(rng, i)`.
     batch_size: slots (rows per compiled step).
