@@ -180,6 +180,19 @@ def _cross_entropy_bwd(residuals, g: jax.Array):
 _cross_entropy_fp32.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """logits [..., V], targets [...] -> [...] bool: the target holds the largest logit (`argmax == target` but for
+  exact ties with an earlier token, which count as correct here).
+
+  Written with the maximum and the target's logit that `cross_entropy`'s forward pass computes on the same fp32
+  logits, so XLA computes them once: the metric costs no pass over `[..., V]` of its own (an argmax is one more
+  read of the logits: ~60 ms of a 3.7 s train step at a 32k vocabulary).
+  """
+  z = logits.astype(jnp.float32)
+  target_logit = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return target_logit >= jnp.max(z, axis=-1)
+
+
 def uniform_elbo_integrand(logits: jax.Array, clean: jax.Array, noisy: jax.Array, alpha: jax.Array,
                            dalpha: jax.Array) -> jax.Array:
   """Per-position continuous-time NELBO integrand of uniform-state diffusion, `[B, C]`.
@@ -379,7 +392,7 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     else:
       logits = model.decode(noise.noisy, dec_cache)
     diff_loss = config.term(logits, noise, schedule)
-    pred = jnp.argmax(logits, axis=-1)
+    correct = top1_correct(logits, noise.clean)
   else:
     embed = model.embed_tokens[...]
     soft = None
@@ -391,7 +404,7 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
     term = config.term
     diff_loss = term.tiled(tiled, noise, schedule) if hasattr(term, "tiled") else term(tiled.materialize(), noise,
                                                                                       schedule)
-    pred = tiled.cross_entropy(noise.clean)[1]
+    correct = tiled.cross_entropy(noise.clean)[1] == noise.clean
 
   free = noise.free
   loss = diff_loss + config.encoder_ar_weight * ar_loss
@@ -399,8 +412,8 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
       loss=loss,
       diffusion_loss=diff_loss,
       ar_loss=ar_loss,
-      accuracy_corrupted=masked_mean((pred == noise.clean).astype(jnp.float32), noise.valid & noise.corrupted),
-      accuracy=masked_mean((pred == noise.clean).astype(jnp.float32), free),
+      accuracy_corrupted=masked_mean(correct.astype(jnp.float32), noise.valid & noise.corrupted),
+      accuracy=masked_mean(correct.astype(jnp.float32), free),
       num_tokens=jnp.sum(free.astype(jnp.float32)),
   )
   return loss, metrics

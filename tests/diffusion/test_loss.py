@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import jax
@@ -17,7 +18,7 @@ from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion import corruption
 from hackable_diffusion.diffusion.loss import (LOSS_TERMS, CorruptedCrossEntropy, FlatCrossEntropy, LossConfig,
                                                UniformStateELBO, cross_entropy, diffusion_loss, draw_noise,
-                                               masked_mean, uniform_elbo_integrand)
+                                               masked_mean, top1_correct, uniform_elbo_integrand)
 from hackable_diffusion.errors import ConfigError
 
 C, P, N = 4, 5, 3  # canvas, prompt width, canvases per completion
@@ -306,3 +307,36 @@ def test_cross_entropy_value_and_gradient_equal_torch():
   bf16 = jax.grad(ours)(jnp.asarray(logits, jnp.bfloat16))
   assert bf16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(bf16, np.float32), x.grad.numpy(), atol=0.05)
+
+
+def test_top1_correct_is_argmax_equal_target_without_a_pass_of_its_own():
+  """The accuracy metric: `top1_correct` equals `argmax(logits) == target` (a tie with the maximum counts as
+  correct), and beside the cross-entropy it adds no reduction over the vocabulary (XLA reuses the CE's maximum)."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(3, 5, 17)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 17, (3, 5)), jnp.int32)
+  targets = targets.at[0, :2].set(jnp.argmax(logits[0, :2], axis=-1))  # some rows right, most wrong
+  want = np.asarray(jnp.argmax(logits, axis=-1) == targets)
+  assert want.any() and not want.all()
+  np.testing.assert_array_equal(np.asarray(top1_correct(logits, targets)), want)
+  assert bool(top1_correct(jnp.zeros((1, 17)), jnp.asarray([5])).all())  # a tie with the maximum: correct
+
+  def reductions(fn) -> tuple[int, int]:
+    """(reductions over the vocabulary, of which index-valued: an argmax) in the compiled program."""
+    hlo = jax.jit(fn).lower(logits, targets).compile().as_text()
+    over_vocab = re.findall(r"= (\(?[fs]32\[3,5\].*?) reduce\(.*dimensions=\{2\}", hlo)
+    return len(over_vocab), sum("s32" in shape for shape in over_vocab)
+
+  def ce_only(z, t):
+    return jax.value_and_grad(lambda z: cross_entropy(z, t).sum())(z)
+
+  def with_metric(z, t):
+    return ce_only(z, t), top1_correct(z, t).mean()
+
+  def with_argmax(z, t):
+    return ce_only(z, t), (jnp.argmax(z, axis=-1) == t).mean()
+
+  ce_count, ce_argmax = reductions(ce_only)
+  assert ce_count >= 2 and ce_argmax == 0  # the maximum and the exponential sum
+  assert reductions(with_metric) == (ce_count, 0)
+  assert reductions(with_argmax)[1] == 1  # what the metric used to add: an index-valued pass over the logits
