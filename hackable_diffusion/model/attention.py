@@ -171,27 +171,19 @@ def attend_einsum(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
 
   q [B, L, N, D], k/v [B, S, Nkv, D], mask [B, L, S] or [B, N, L, S] bool -> [B, L, N, D].
   A row with no visible key attends uniformly to all S keys (only queries at padding positions have none).
-
-  Both products run head-major, as plain batched matrix products over (B, kv head): the group's queries are
-  stacked into one `[group * L, D]` matrix per kv head. Written as `blkgd,bskd->bkgls` instead, XLA:CPU adds
-  transposing copies around both products and their gradients: 0.59 -> 0.51 s per Sudoku train step with bf16
-  products, 3.65 -> 3.47 s at ~100M (docs/benchmarks.md).
   """
   b, l, n, d = q.shape
   nkv = k.shape[2]
-  g = n // nkv
-  qh = jnp.transpose(q.reshape(b, l, nkv, g, d), (0, 2, 3, 1, 4)).reshape(b, nkv, g * l, d)  # [B, kv, g*L, D]
-  kh = jnp.transpose(k, (0, 2, 1, 3))  # [B, kv, S, D]
-  vh = jnp.transpose(v, (0, 2, 1, 3))  # [B, kv, S, D]
-  scores = jnp.einsum("bkqd,bksd->bkqs", qh, kh).reshape(b, nkv, g, l, -1).astype(jnp.float32)  # [B, kv, g, L, S]
+  qg = q.reshape(b, l, nkv, n // nkv, d)  # [B, L, kv, group, D]
+  scores = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32)  # [B, kv, group, L, S]
   if mask.ndim == 3:  # [B, L, S]
     mask = mask[:, None, None]
   else:  # [B, N, L, S]
-    mask = mask.reshape(b, nkv, g, *mask.shape[2:])
+    mask = mask.reshape(b, nkv, n // nkv, *mask.shape[2:])
   scores = jnp.where(mask, scores, _NEG)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, nkv, g * l, -1), vh)  # [B, kv, g*L, D]
-  return jnp.transpose(out.reshape(b, nkv, g, l, d), (0, 3, 1, 2, 4)).reshape(b, l, n, d)
+  out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
+  return out.reshape(b, l, n, d)
 
 
 def attention_implementation(platform: str, dtype, head_dim: int, q_len: int, kv_len: int,
