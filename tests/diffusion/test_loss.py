@@ -198,7 +198,8 @@ def test_loss_config_validation():
 
 def test_without_encoder_gradients_the_encoder_cache_is_a_constant(setup):
   """encoder_gradients=False: the gradient is the one of a loss whose encoder output was computed beforehand (a
-  constant), and the loss value is unchanged."""
+  constant), and the loss value is unchanged. Compiled, as a training step runs it: the programs differ, so leaves
+  compare relative to their largest entry (the tied embedding's gradient is ~1e8 here)."""
   _, ours, batch = setup
   key = jax.random.key(3)
   on, off = LossConfig(encoder_ar_weight=0.0), LossConfig(encoder_ar_weight=0.0, encoder_gradients=False)
@@ -207,7 +208,7 @@ def test_without_encoder_gradients_the_encoder_cache_is_a_constant(setup):
 
   def value_and_grad(config):
     f = lambda p: diffusion_loss(nnx.merge(graphdef, p, rest), batch, key, config, noise)[0]
-    return jax.value_and_grad(f)(params)
+    return jax.jit(jax.value_and_grad(f))(params)
 
   encoded = {}
   real_encode = hd.DiffusionGemma.encode
@@ -217,15 +218,18 @@ def test_without_encoder_gradients_the_encoder_cache_is_a_constant(setup):
       encoded["out"] = real_encode(ours, ids, cache, mask)
     return encoded["out"]
 
+  def worst_relative(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
   loss_on, grad_on = value_and_grad(on)
   loss_off, grad_off = value_and_grad(off)
   with mock.patch.object(hd.DiffusionGemma, "encode", frozen_encode):
     loss_ref, grad_ref = value_and_grad(on)
-  assert float(loss_off) == pytest.approx(float(loss_on), rel=1e-6) == float(loss_ref)
-  diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grad_off), jax.tree.leaves(grad_ref))]
-  assert max(diffs) < 1e-6
+  assert float(loss_off) == pytest.approx(float(loss_on), rel=1e-6) == pytest.approx(float(loss_ref), rel=1e-6)
+  assert worst_relative(grad_off, grad_ref) < 3e-5  # measured 6.4e-6; the encoder's gradient left in: 1.9
   # and the encoder's backward does contribute when it is on
-  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grad_on), jax.tree.leaves(grad_off))) > 1e-4
+  assert worst_relative(grad_on, grad_off) > 1e-2
 
 
 def test_builtin_terms_are_the_documented_formulas(setup):
