@@ -1,5 +1,6 @@
-"""`init_model`: the parameters of the eagerly built `DiffusionGemma(config, rngs=nnx.Rngs(seed))`, from one compiled
-initialiser per config (reused across seeds and calls), each call an independent model."""
+"""`init_model`: the parameters of `DiffusionGemma(config, rngs=nnx.Rngs(seed))` (bit for bit as compiled for that seed,
+to rounding as run eagerly), from one compiled initialiser per config (reused across seeds and calls), each call an
+independent model."""
 
 from __future__ import annotations
 
