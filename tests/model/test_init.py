@@ -4,6 +4,8 @@ independent model."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,3 +47,22 @@ def test_models_from_one_initialiser_are_independent():
   for path, x in _params(b).items():
     np.testing.assert_array_equal(x, before[path], err_msg=str(path))
   assert jax.tree.structure(nnx.state(a)) == jax.tree.structure(nnx.state(b))
+
+
+def test_a_second_model_of_a_config_is_not_traced_again():
+  """The constructor runs (is traced) for the first model of a config only; another seed reuses the compiled
+  initialiser."""
+  config = get_preset("tiny", num_hidden_layers=2, vocab_size=40, canvas_length=5)  # a config no other test builds
+  calls = []
+  real_init = DiffusionGemma.__init__
+
+  def counting_init(self, *args, **kwargs):
+    calls.append(1)
+    real_init(self, *args, **kwargs)
+
+  with mock.patch.object(DiffusionGemma, "__init__", counting_init):
+    init_model(config, seed=0)
+    first = len(calls)
+    b = init_model(config, seed=4)
+  assert first >= 1 and len(calls) == first, (first, len(calls))
+  np.testing.assert_array_equal(_params(b)[("embed_tokens",)], _params(init_model(config, seed=4))[("embed_tokens",)])
