@@ -116,7 +116,7 @@ class ModelConfig:
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
   # "bfloat16": the projections (attention q/k/v/o, MLPs, tiled experts, the untiled head; not the router or the
   # attention scores) take bfloat16 operands with float32 accumulation, forward and backward (model/matmul.py):
-  # AMX on recent x86 CPUs. "auto": the compute dtype's own products.
+  # AMX or AVX512-BF16 on recent x86 CPUs. "auto": the compute dtype's own products.
   matmul_dtype: str = "auto"
   # Run the layers as one scan over their attention pattern (model/scan.py): a run (trainer, CLIs, hd.SFTTrainer)
   # stacks its model after loading and adding adapters; a model built by hand: `scan.stack_layers(model)`.
