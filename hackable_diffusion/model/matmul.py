@@ -4,8 +4,9 @@ On a CPU with AMX-BF16 (Intel Sapphire Rapids and later) XLA:CPU runs a `bf16 x 
 YNNPACK's AMX kernels, 2-5x its float32 dot on this project's CPU (`python scripts/measure_matmul_peak.py
 --bf16`; on AVX512-BF16 without AMX, AMD Zen 4, ~1.7x on large products). It does so only when the left operand
 contracts its minor (last) axis; a weight gradient `x^T g` contracts the token axis, which is the major axis of both
-operands, and XLA then silently computes the dot in float32 on upcast copies (slower than a plain float32 dot). The transposition XLA would fold into the dot is
-therefore materialised behind an optimisation barrier (`row_major_transpose`).
+operands, and XLA then silently computes the dot in float32 on upcast copies (slower than a plain float32 dot). The
+transposition XLA would fold into the dot is therefore materialised behind an optimisation barrier
+(`row_major_transpose`).
 
 `bf16_matmul` is differentiable with a hand-written backward pass: the output gradient is rounded to bfloat16 too,
 so the forward product, the input gradient and the weight gradient are all `bf16 x bf16 -> f32` dots (the usual
