@@ -5,21 +5,23 @@
 Generates 30k unique-solution training puzzles (30% easy >= 40 givens, 70% medium 30-39; the validation and test
 splits half and half) into workdir/data on first use,
 trains a char tokenizer on them, trains the scaled-down DiffusionGemma (`sudoku` preset: 4 layers, hidden 128,
-4 experts top-2, ~1.5M parameters) with the SFT recipe (uniform corruption, flat CE, self-conditioning) and
+4 experts top-2, here with 6 attention heads instead of 4; ~1.5M parameters) for 2,200 steps with the SFT recipe
+(uniform corruption, flat CE, self-conditioning) and
 evaluates on 300 held-out test puzzles at 8/16/32 denoising steps and with early stopping (capped at 24).
 
 Two choices differ from the pure architecture and recipe, each measured (docs/sudoku.md):
-- `attention_structure=STRUCTURE`: canvas cells attend only to their row/column/box peers (and the whole
-  prompt). At CPU budgets structure decides the result. A model with it cannot be exported to transformers/vLLM;
+- `attention_structure=OWN_CELL_STRUCTURE`: canvas cells attend only to their row/column/box peers (STRUCTURE) and
+  the prompt; head 0 of each layer reads only the cell's own prompt character, the other heads the whole prompt. At
+  CPU budgets structure decides the result. A model with it cannot be exported to transformers/vLLM;
   configs/sudoku_pure.py trains the exportable pure architecture.
 - the givens are pinned (`data.pinned_field`): never corrupted in training, fixed at sampling (infilling).
 
-Measured on 2026-12-04, seeds 0 / 1 / 2 (trained side by side on a 2-core CPU): 90.3 / 89.3 / 90.7% of easy + medium
-test puzzles solved with early stopping (min 89.3, mean 90.1%) at 8.8 / 7.6 / 6.9 steps per canvas (9.2-11.7
-cells per forward). Alone on an idle 2-core CPU a run takes ~21-27 min in all (0.55-0.67 s per step of 32
-puzzles, ~2-3 min of evaluation). What was tried: docs/sudoku.md.
-Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the same recipe
-sized for one GPU.
+Measured on 2026-12-05, seeds 0 / 1 / 2 (trained side by side on a 2-core CPU): 93.0 / 93.0 / 91.0% of easy + medium
+test puzzles solved with early stopping (min 91.0, mean 92.3%) at 8.4 / 10.4 / 7.4 steps per canvas (9.7 / 7.8 / 10.9
+cells per forward). Alone on an idle 2-core CPU a run takes ~23 min in all (22:36 from a clean clone,
+~0.6 s per step of 32 puzzles, ~1 min of evaluation). What was tried: docs/sudoku.md.
+Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the recipe before the
+own-cell head (peer structure only) sized for one GPU (not run: no GPU here).
 """
 
 import ml_collections
