@@ -57,8 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
       checkpoint="",  # or a HF DiffusionGemma directory to fine-tune (then preset='')
       dtype="auto",  # parameter dtype when loading a checkpoint ("auto": the dtype it was saved in)
       # ModelConfig fields (vocab_size and the pad/eos/bos ids default to the tokenizer's)
-      # matmul_dtype 'bfloat16': bf16 products on AMX CPUs, ~1.35x the step's speed, but 78.3 / 86.3 / 87.0% instead of
-      # 90.3 / 89.3 / 90.7% at 2,000 steps (docs/sudoku.md); listed to show the choice
+      # matmul_dtype 'bfloat16': bf16 products (AMX / AVX512-BF16 CPUs), ~1.35x the step's speed, but with the earlier
+      # 4-head, 2,000-step recipe 78.3 / 86.3 / 87.0% instead of 90.3 / 89.3 / 90.7% (docs/sudoku.md; not re-measured
+      # with the 6-head default); listed to show the choice
       overrides=ml_collections.ConfigDict(dict(canvas_length=81, attention_structure=OWN_CELL_STRUCTURE,
                                                 num_attention_heads=HEADS, matmul_dtype="auto")),
   ))
