@@ -78,6 +78,18 @@ def test_bad_ablation_task_argument_fails_before_training(tmp_path):
   assert not os.path.exists(tmp_path / "run")  # failed before writing anything (no data, no checkpoint)
 
 
+def test_a_prompt_structure_refuses_a_prompt_width_it_does_not_read():
+  # The Sudoku default's own-cell head reads prompt slots 0-80 as the grid: a longer (left-padded) prompt would
+  # shift the grid out of place silently, so the data config refuses it in one line.
+  raw = config_lib.load_config_file("sudoku.py")
+  raw.data.max_prompt_length = 82
+  cfg = config_lib.ExperimentConfig.from_config_dict(raw)
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
+  with pytest.raises(config_lib.ConfigError, match=r"first 81 cache slots, but data.max_prompt_length=82") as e:
+    run_lib.sft_data_config(cfg, model_config, "unused.jsonl", batch_size=8, shuffle=False, seed=0)
+  assert "\n" not in str(e.value)
+
+
 def test_unknown_and_invalid_keys_are_one_line_errors():
   raw = config_lib.load_config_file("tiny.py")
   with pytest.raises(config_lib.ConfigError, match="valid keys: .*peak_lr") as err:

@@ -72,4 +72,10 @@ def canvas_mask(config: Any) -> np.ndarray | None:
   return mask[None]
 
 
-__all__ = ["FIELD", "StructureFn", "canvas_mask", "check_spec", "get_structure"]
+def prompt_width(config: Any) -> int:
+  """`P`: how many leading cache slots (the prompt) `config.attention_structure` restricts (0 without one)."""
+  mask = canvas_mask(config)
+  return 0 if mask is None else mask.shape[-1] - config.canvas_length
+
+
+__all__ = ["FIELD", "StructureFn", "canvas_mask", "check_spec", "get_structure", "prompt_width"]

@@ -34,7 +34,7 @@ from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.interop.hf import load_config as load_hf_config
 from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
 from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
-from hackable_diffusion.model import scan
+from hackable_diffusion.model import scan, structure
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import Task, get_task
@@ -253,6 +253,11 @@ def data_shard(cfg: ExperimentConfig, mesh: Mesh | None) -> tuple[int, int, int]
 def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str, *, batch_size: int,
                     shuffle: bool, seed: int) -> SFTDataConfig:
   d = cfg.data
+  width = structure.prompt_width(model_config)
+  if width and d.max_prompt_length != width:
+    raise ConfigError(f"model.attention_structure={model_config.attention_structure!r} reads the prompt as its first "
+                      f"{width} cache slots, but data.max_prompt_length={d.max_prompt_length}; set "
+                      f"data.max_prompt_length={width} (a longer padded prompt would shift it out of place)")
   try:
     return SFTDataConfig(
         path=path, prompt_field=d.prompt_field, completion_field=d.completion_field,
