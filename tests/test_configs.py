@@ -45,10 +45,12 @@ def test_config_builds(path, tmp_path):
 
   if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
     # A fine-tuning config whose base run is not on this machine: stand in a base workdir (config.json of
-    # configs/sudoku.py + an empty checkpoints/ dir), which is all building the model's shapes needs.
+    # configs/sudoku.py, or for a non-Sudoku config sudoku_pure.py's, which has no Sudoku attention structure, + an
+    # empty checkpoints/ dir), which is all building the model's shapes needs.
     base = tmp_path / "base_run"
     (base / "checkpoints").mkdir(parents=True)
-    config_lib.write_config_json(config_lib.load_config_file("sudoku.py"), str(base))
+    stand_in = "sudoku.py" if raw.data.generator == "sudoku" else "sudoku_pure.py"
+    config_lib.write_config_json(config_lib.load_config_file(stand_in), str(base))
     raw.model.checkpoint = str(base)
     cfg = config_lib.ExperimentConfig.from_config_dict(raw)
     assert run_lib.is_run_workdir(str(base))
