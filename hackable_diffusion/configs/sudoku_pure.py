@@ -7,7 +7,9 @@ Same data (training mix 30% easy / 70% medium), recipe and steps as configs/sudo
 differs (None), and the model keeps the preset's 4 heads (configs/sudoku.py's two extra heads serve its own-cell
 structure, which an exportable model cannot have). At CPU budgets it solves far fewer puzzles (an earlier probe at
 an equal budget: 8% easy / 1% medium against 93% / 61% with the structure, docs/sudoku.md): without the
-row/column/box structure the model has to discover it. This config's own run was not measured.
+row/column/box structure the model has to discover it. Its own run (seed 0, idle 2-core CPU, 20:40 in all): 0% of
+the test puzzles solved at every budget, 33.5% of the blank cells right at 64 steps (chance 11%), training loss 0.78
+(the structured default's 0.11): at this budget the pure model does not leave the loss plateau.
 """
 
 import ml_collections
