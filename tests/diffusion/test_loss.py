@@ -303,7 +303,7 @@ def test_cross_entropy_value_and_gradient_equal_torch():
   ce = F.cross_entropy(x.reshape(-1, 50), torch.tensor(targets).reshape(-1), reduction="none")
   ref = (ce * torch.tensor(weights).reshape(-1)).sum()
   ref.backward()
-  np.testing.assert_allclose(float(value), float(ref), rtol=1e-6)
+  np.testing.assert_allclose(float(value), ref.item(), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(ours))(jnp.asarray(logits))), x.grad.numpy(), rtol=1e-5,
                              atol=1e-6)
