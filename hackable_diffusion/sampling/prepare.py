@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model import structure as structure_lib
 from hackable_diffusion.sampling import rules
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseStatic, StepInfo
@@ -211,6 +212,24 @@ def _rule(config: SamplingConfig, acceptance: Any) -> tuple[rules.AcceptanceRule
 
 
 # ---- prepare ------------------------------------------------------------------------------------------------------
+def _check_structured_prompt(model: Any, structure: Array | None, mask: np.ndarray, canvas_len: int) -> None:
+  """A one-line error when an attention structure constrains the first `P` prompt slots and a row has padding
+  there: its prompt is shorter than the batch's, so left padding moved its tokens out of the slots the structure
+  addresses (e.g. a Sudoku grid read by the own-cell head)."""
+  if structure is not None:
+    width = structure.shape[-1] - canvas_len
+  elif getattr(model.config, "attention_structure", None) is not None:
+    width = structure_lib.prompt_width(model.config)
+  else:
+    return
+  padded = ~mask[:, :width]
+  if padded.any():
+    row, slot = (int(i) for i in np.argwhere(padded)[0])
+    raise ValueError(f"the attention structure constrains the first {width} prompt slots, but row {row} has left "
+                     f"padding in slot {slot} (its prompt is {int(mask[row].sum())} tokens, the batch's "
+                     f"{mask.shape[1]}): every prompt needs real tokens in those slots")
+
+
 def prepare(
     model: Any,
     input_ids: Any,
@@ -265,6 +284,7 @@ def prepare(
     if structure.ndim != 4 or structure.shape[-2] != canvas_len or structure.shape[-1] < canvas_len:
       raise ValueError(f"canvas_attention_mask has shape {structure.shape}, expected [B|1, N|1, {canvas_len}, "
                        f"P + {canvas_len}]")
+  _check_structured_prompt(model, structure, mask, canvas_len)
   if callback is not None and not callable(callback):
     raise ValueError(f"callback must be callable, got {type(callback).__name__}")
   rule, rule_arg = _rule(config, acceptance)

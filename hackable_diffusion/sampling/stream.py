@@ -146,7 +146,7 @@ def generate_stream(
       if not staged and not exhausted:
         run.take_staged(slots, to_copy, source)  # rows taken from the block about to be replaced: copy them first
         to_copy[:] = False
-        block = [_Slot(index=j, key=_row_key(r, rng, j), request=_validate(model, r, shared.config, width, rng))
+        block = [_Slot(index=j, key=_row_key(r, rng, j), request=_validate(model, r, shared.config, width, rng, j))
                  for j, r in itertools.islice(pending, batch_size)]
         exhausted = len(block) < batch_size
         staged.extend(enumerate(block))
@@ -200,21 +200,26 @@ def _row_key(request: StreamRequest, rng: Array, index: int) -> Array:
   return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
 
 
-def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width: int, rng: Array) -> Prepared:
-  """The request as a one-row `generate` call (every check of `prepare`), its prompt left-padded to `width`."""
+def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width: int, rng: Array,
+              index: int) -> Prepared:
+  """The request as a one-row `generate` call (every check of `prepare`, its errors naming request `index`), its
+  prompt left-padded to `width`."""
   ids = np.asarray(request.input_ids)
   if ids.ndim != 1 or ids.size > width:
-    raise ValueError(f"generate_stream: input_ids of shape {ids.shape}: expected one prompt of at most "
-                     f"prompt_length={width} tokens")
+    raise ValueError(f"generate_stream: request {index}: input_ids of shape {ids.shape}: expected one prompt of at "
+                     f"most prompt_length={width} tokens")
   given = np.ones(ids.shape, bool) if request.attention_mask is None else np.asarray(request.attention_mask)
   if given.shape != ids.shape:
-    raise ValueError(f"generate_stream: attention_mask has shape {given.shape}, input_ids {ids.shape}")
+    raise ValueError(f"generate_stream: request {index}: attention_mask has shape {given.shape}, input_ids {ids.shape}")
   padded = np.zeros((1, width), ids.dtype if ids.size else np.int32)
   mask = np.zeros((1, width), bool)
   padded[0, width - ids.size:], mask[0, width - ids.size:] = ids, given
   as_row = (lambda x: None if x is None else np.asarray(x)[None])
-  return prepare(model, padded, config, rng=rng, attention_mask=mask, seed_canvas=as_row(request.seed_canvas),
-                 pinned=as_row(request.pinned))
+  try:
+    return prepare(model, padded, config, rng=rng, attention_mask=mask, seed_canvas=as_row(request.seed_canvas),
+                   pinned=as_row(request.pinned))
+  except ValueError as e:
+    raise type(e)(f"generate_stream: request {index}: {e}") from None
 
 
 def _placed_like(state: Any, tree: Any) -> Any:

@@ -346,6 +346,9 @@ def test_infill_pins_allowed_tokens_trajectory_and_callback(models, inputs):
         (dict(allowed_token_ids=np.ones((2, VOCAB), bool)), "allowed_token_ids as a mask must have shape"),
         (dict(canvas_attention_mask=np.ones((1, 1, CANVAS, CANVAS - 1), bool)),
          f"expected [B|1, N|1, {CANVAS}, P + {CANVAS}]"),
+        # a structure over the first 2 prompt slots, and row 0 left-padded into slot 0: its prompt would sit shifted
+        (dict(canvas_attention_mask=np.ones((1, 1, CANVAS, 2 + CANVAS), bool), attention_mask=np.array([[0, 1, 1]])),
+         "constrains the first 2 prompt slots, but row 0 has left padding in slot 0 (its prompt is 2 tokens"),
         (dict(callback=3), "callback must be callable"),
         (dict(rng=7), "rng must be a jax.random key"),
         (dict(config=dict(max_new_tokens=8)), "config must be a SamplingConfig"),

@@ -200,7 +200,8 @@ def test_shorter_prompts_are_left_padded_like_a_batch(model, prompts):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(batch_size=0), "batch_size=0 is invalid"),
     (dict(chunk_steps=0), "chunk_steps=0 is invalid"),
-    (dict(prompt_length=3), "at most prompt_length=3 tokens"),
+    (dict(prompt_length=3),
+     r"request 0: input_ids of shape \(5,\): expected one prompt of at most prompt_length=3 tokens"),
 ])
 def test_bad_arguments_are_one_line_errors(model, prompts, kwargs, message):
   with pytest.raises(ValueError, match=message) as e:
@@ -212,7 +213,7 @@ def test_bad_arguments_are_one_line_errors(model, prompts, kwargs, message):
 def test_a_bad_token_id_names_the_request(model, prompts):
   bad = prompts.copy()
   bad[2, 1] = model.config.vocab_size
-  with pytest.raises(ValueError, match="input_ids") as e:
+  with pytest.raises(ValueError, match="^generate_stream: request 2: input_ids holds token id") as e:
     list(generate_stream(model, list(bad), hd.SamplingConfig(max_new_tokens=8), rng=jax.random.key(0)))
   assert "\n" not in str(e.value)
 
