@@ -138,14 +138,16 @@ def test_a_chunk_ends_at_the_step_that_finishes_a_row(model, prompts, monkeypatc
   assert refilled_mid_stream > 1  # slots were refilled next to rows that kept running
 
 
-def test_many_prompts_through_few_slots(model):
+@pytest.mark.parametrize("canvases, chunk_steps", [(2, None), (1, None), (1, 2)])
+def test_many_prompts_through_few_slots(model, canvases, chunk_steps):
   """20 prompts through 4 slots: blocks of staged prompts run out in the middle of a refill (some slots take the
-  last rows of one block, the others the first rows of the next) and every row still equals the fixed batch's."""
+  last rows of one block, the others the first rows of the next) and every row still equals the fixed batch's,
+  with one canvas per row or two, with chunks of at most 2 steps or none."""
   many = np.random.default_rng(1).integers(1, model.config.vocab_size, size=(20, 5)).astype(np.int32)
-  sampling = hd.SamplingConfig(max_new_tokens=2 * model.config.canvas_length, **CONFIG)
+  sampling = hd.SamplingConfig(max_new_tokens=canvases * model.config.canvas_length, **CONFIG)
   rng = jax.random.key(7)
   fixed = hd.generate(model, many, sampling, rng=_keys(rng, 20))
-  outs = list(generate_stream(model, list(many), sampling, rng=rng, batch_size=4))
+  outs = list(generate_stream(model, list(many), sampling, rng=rng, batch_size=4, chunk_steps=chunk_steps))
   assert sorted(o.index for o in outs) == list(range(20))
   sequences, steps = np.asarray(fixed.sequences), np.asarray(fixed.denoising_steps)
   for o in outs:
