@@ -128,30 +128,31 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.concatenate([x, reps], axis=0)
 
 
-def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int, vocab_size: int,
-                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int,
+                         vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
   """(seed canvas, pinned) from the data's pinned completion tokens (`data.pinned_field`): pinned positions hold
-  their token, all others uniform noise (the reference completion must not leak into the start canvas)."""
+  their token, all others uniform noise (the reference completion must not leak into the start canvas), example
+  `i`'s drawn from a generator seeded with `[i, 7]` (the same in any batch)."""
   ids = records.completion_ids[sl, :num_tokens]
   pins = records.completion_pinned[sl, :num_tokens] & records.completion_mask[sl, :num_tokens]
   pad = num_tokens - ids.shape[1]
   if pad > 0:
     ids = np.pad(ids, ((0, 0), (0, pad)))
     pins = np.pad(pins, ((0, 0), (0, pad)))
-  noise = rng.integers(0, vocab_size, size=ids.shape)
+  noise = np.stack([np.random.default_rng([i, 7]).integers(0, vocab_size, size=num_tokens)
+                    for i in range(sl.start, sl.stop)]) if ids.shape[0] else np.zeros(ids.shape, np.int64)
   return np.where(pins, ids, noise).astype(np.int32), pins
 
 
-def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, sl: slice,
-                  batch_index: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task,
+                  sl: slice) -> tuple[np.ndarray, np.ndarray] | None:
   """(seed ids, pinned) [rows, whole canvases] for the examples `sl`: the task's `seed_canvas` hook, else the
   data's pinned completion tokens (`pinned_field`), else None (uniform noise)."""
   canvas = sampling.canvas_length or model.config.canvas_length
   num_tokens = -(-sampling.max_new_tokens // canvas) * canvas  # whole canvases
   seeded = task.seed_canvas(data.examples[sl], tokenizer, num_tokens)
   if seeded is None and data.records.completion_pinned is not None:
-    seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size,
-                                  np.random.default_rng([batch_index, 7]))
+    seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size)
   return seeded
 
 
@@ -177,7 +178,7 @@ def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling:
   canvas = sampling.canvas_length or model.config.canvas_length
   rows = batch_rows(1, 1, mesh)
   kwargs: dict[str, Any] = {}
-  seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(0, 1), 0)
+  seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(0, 1))
   if seeded is not None:  # the first canvas only
     kwargs.update(seed_canvas=_pad_rows(np.asarray(seeded[0])[:, :canvas], rows),
                   pinned=_pad_rows(np.asarray(seeded[1])[:, :canvas], rows))
@@ -199,9 +200,10 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   steps actually taken; with early stopping and pins, the examples with the most free cells enter first,
   `longest_first`, so short rows fill the tail); on a mesh, batches of `batch_size` examples are padded to
   `batch_rows(batch_size, n, mesh)` rows (repeating the first row) and split over its batch axes (see the module
-  docstring). Both give the same completions. Start canvases: the task's `seed_canvas` hook, else the data's
-  pinned completion tokens (`pinned_field`), else uniform noise (drawn per batch of `batch_size` examples, the
-  same either way).
+  docstring). Both give the same completions. Start canvases: the task's `seed_canvas` hook (called per batch of
+  `batch_size` examples), else the data's pinned completion tokens (`pinned_field`) with noise drawn per example,
+  else noise from each example's key. With the built-in tasks an example's completion therefore does not depend on
+  `batch_size`.
   """
   n = len(data)
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
@@ -210,8 +212,8 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   per = min(batch_size, n)  # examples per batch: the same batches (and seed canvases) with and without a mesh
   keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(n))  # [n] one key per example
   seeds, pins = [], []
-  for b, start in enumerate(range(0, n, per)):
-    seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(start, min(start + per, n)), b)
+  for start in range(0, n, per):
+    seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(start, min(start + per, n)))
     if seeded is not None:
       seeds.append(np.asarray(seeded[0]))
       pins.append(np.asarray(seeded[1]))

@@ -7,7 +7,8 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
   removed) and the `EvalRecord`s they answer (prompt, reference completion and every other JSON field);
 - `allowed_token_ids(tokenizer)` -> ids the sampler may produce (None: all), e.g. digits + EOS for Sudoku;
 - `seed_canvas(records, tokenizer, num_tokens)` -> `(seed_ids [B, num_tokens], pinned [B, num_tokens])` or
-  None: canvases that start from known tokens, pinned positions never change (e.g. Sudoku givens);
+  None: canvases that start from known tokens, pinned positions never change (e.g. Sudoku givens); the
+  evaluation calls it per batch, so a row should depend on its own record only (draw any noise per record);
 - `make_data(out_dir[, progress])` -> `{'train': path, 'validation': path, ...}` for tasks that generate their own
   JSONL (`data.generator` in a config; `progress`, if the task takes it: show a progress bar);
 - `plot_trajectory(trajectory, path)`: a picture of one example's canvas after every denoising step;

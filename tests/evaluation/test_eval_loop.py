@@ -135,14 +135,21 @@ def test_data_pinned_tokens_are_pinned_in_evaluation(setup):
   cfg = SFTDataConfig(path=path, max_prompt_length=6, canvas_length=8, batch_size=1, pinned_field="pins")
   data = loop.load_eval_data(path, cfg, tok, num_examples=4)
   assert data.records.completion_pinned[0, :6].tolist() == [True, False, False, False, True, False]
-  seed, pinned = loop._pinned_from_records(data.records, slice(0, 4), 8, model.config.vocab_size,
-                                           np.random.default_rng(0))
+  seed, pinned = loop._pinned_from_records(data.records, slice(0, 4), 8, model.config.vocab_size)
   assert (seed[pinned] == data.records.completion_ids[:4, :8][pinned]).all()
+  later, _ = loop._pinned_from_records(data.records, slice(1, 4), 8, model.config.vocab_size)
+  np.testing.assert_array_equal(later, seed[1:])  # an example's noise is its own, whatever batch it is in
   runs = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=2), max_new_tokens=8)[:1]
   report = loop.run_evaluation(model, tok, data, _DigitsOnly(), runs, batch_size=4, num_samples=4)
   for sample in report["samples"]:
     assert len(sample["prediction"]) == 8
     assert sample["prediction"][0] == sample["target"][0] and sample["prediction"][4] == sample["target"][4]
+  # so the completions do not depend on the evaluation's batch size (before: noise drawn per batch)
+  by_four, _ = loop.generate_texts(model, tok, data, runs[0].sampling, _DigitsOnly(), batch_size=4,
+                                   rng=jax.random.key(1))
+  by_three, _ = loop.generate_texts(model, tok, data, runs[0].sampling, _DigitsOnly(), batch_size=3,
+                                    rng=jax.random.key(1))
+  assert by_four == by_three
 
 
 class _PinSome(BaseTask):

@@ -7,6 +7,8 @@ attention structure is `SudokuTask().attention_structure()` (`structure.PEER_MAS
 
 from __future__ import annotations
 
+import zlib
+
 import dataclasses
 import math
 import os
@@ -94,9 +96,12 @@ class SudokuTask(BaseTask):
 
   def seed_canvas(self, records: Sequence[EvalRecord], tokenizer: Any,
                   num_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Givens at their cells (pinned) and uniform noise elsewhere; without `pin_givens` pure noise, no pins."""
-    rng = np.random.default_rng(len(records))
-    noise = rng.integers(0, tokenizer.vocab_size, size=(len(records), num_tokens)).astype(np.int32)
+    """Givens at their cells (pinned) and uniform noise elsewhere; without `pin_givens` pure noise, no pins.
+
+    Each record's noise is drawn from its own puzzle (a generator seeded with the prompt's CRC-32), so a puzzle's
+    start canvas does not depend on the other records of the call (the evaluation's batch size)."""
+    noise = np.stack([np.random.default_rng(zlib.crc32(r.prompt.encode("utf-8"))).integers(
+        0, tokenizer.vocab_size, size=num_tokens) for r in records]).astype(np.int32)  # [R, num_tokens]
     pinned = np.zeros((len(records), num_tokens), bool)
     if not self.pin_givens:
       return noise, pinned

@@ -49,6 +49,24 @@ def test_seed_canvas_pins_exactly_the_givens(tok):
   assert get_task("sudoku", dict(digits_only=False)).allowed_token_ids(tok) is None
 
 
+def test_a_puzzles_start_canvas_does_not_depend_on_the_other_records(tok):
+  """The evaluation calls `seed_canvas` per batch of `eval.batch_size` puzzles: a puzzle's noise must not depend on
+  which other puzzles share the call (before: one generator seeded with the call's length, so every batch of 25
+  drew the same noise and a batch size change changed every start canvas)."""
+  puzzles = ["".join(c if (i + k) % 3 else "0" for i, c in enumerate(SOLUTION)) for k in range(3)]
+  records = [EvalRecord(prompt=p, completion=SOLUTION) for p in puzzles]
+  task = get_task("sudoku")
+  together, pins = task.seed_canvas(records, tok, 81)
+  for i, record in enumerate(records):
+    alone, alone_pins = task.seed_canvas([record], tok, 81)
+    np.testing.assert_array_equal(together[i], alone[0])
+    np.testing.assert_array_equal(pins[i], alone_pins[0])
+  second, _ = task.seed_canvas(records[1:], tok, 81)
+  np.testing.assert_array_equal(together[1:], second)
+  free = ~pins
+  assert (together[0][free[0]] != together[1][free[0]]).any()  # other puzzles, other noise
+
+
 def test_metrics_score_solved_and_wrong_predictions():
   puzzle = "".join(c if i % 2 else "0" for i, c in enumerate(SOLUTION))  # 40 givens: easy
   records = [EvalRecord(prompt=puzzle, completion=SOLUTION)] * 3
