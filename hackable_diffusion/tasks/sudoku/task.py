@@ -7,11 +7,10 @@ attention structure is `SudokuTask().attention_structure()` (`structure.PEER_MAS
 
 from __future__ import annotations
 
-import zlib
-
 import dataclasses
 import math
 import os
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,8 +99,10 @@ class SudokuTask(BaseTask):
 
     Each record's noise is drawn from its own puzzle (a generator seeded with the prompt's CRC-32), so a puzzle's
     start canvas does not depend on the other records of the call (the evaluation's batch size)."""
-    noise = np.stack([np.random.default_rng(zlib.crc32(r.prompt.encode("utf-8"))).integers(
-        0, tokenizer.vocab_size, size=num_tokens) for r in records]).astype(np.int32)  # [R, num_tokens]
+    noise = np.zeros((len(records), num_tokens), np.int32)  # [R, num_tokens]
+    for i, record in enumerate(records):
+      noise[i] = np.random.default_rng(zlib.crc32(record.prompt.encode("utf-8"))).integers(
+          0, tokenizer.vocab_size, size=num_tokens)
     pinned = np.zeros((len(records), num_tokens), bool)
     if not self.pin_givens:
       return noise, pinned
