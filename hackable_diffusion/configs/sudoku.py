@@ -18,7 +18,7 @@ Two choices differ from the pure architecture and recipe, each measured (docs/su
 
 Measured on 2026-12-05, seeds 0 / 1 / 2 (trained side by side on a 2-core CPU): 93.3 / 92.7 / 90.7% of easy + medium
 test puzzles solved with early stopping (min 90.7, mean 92.2%) at 8.0 / 9.8 / 7.2 steps per canvas (10.1 / 8.3 / 11.2
-cells per forward). Alone on an idle 2-core CPU a run takes ~23 min in all (22:14 from a clean clone,
+cells per forward). Alone on an idle 2-core CPU a run takes ~23 min in all (22:14-23:19 from a clean clone,
 ~0.6 s per step of 32 puzzles, ~1 min of evaluation). What was tried: docs/sudoku.md.
 Size/steps trade-off: `--config.train.steps` scales time linearly; configs/sudoku_gpu.py is the recipe before the
 own-cell head (peer structure only) sized for one GPU (not run: no GPU here).
