@@ -139,8 +139,9 @@ def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int,
   if pad > 0:
     ids = np.pad(ids, ((0, 0), (0, pad)))
     pins = np.pad(pins, ((0, 0), (0, pad)))
-  noise = np.stack([np.random.default_rng([i, 7]).integers(0, vocab_size, size=num_tokens)
-                    for i in range(sl.start, sl.stop)]) if ids.shape[0] else np.zeros(ids.shape, np.int64)
+  noise = np.zeros(ids.shape, np.int32)  # [rows, num_tokens]
+  for row, i in enumerate(range(sl.start, sl.stop)):
+    noise[row] = np.random.default_rng([i, 7]).integers(0, vocab_size, size=num_tokens)
   return np.where(pins, ids, noise).astype(np.int32), pins
 
 
