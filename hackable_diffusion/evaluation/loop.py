@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer
-from hackable_diffusion.errors import DataError
+from hackable_diffusion.errors import ConfigError, DataError
 from hackable_diffusion.files import write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.sampling.config import SamplingConfig
@@ -145,6 +145,17 @@ def _pinned_from_records(records: SFTRecords, sl: slice, num_tokens: int,
   return np.where(pins, ids, noise).astype(np.int32), pins
 
 
+def _check_per_record(task: Task, batch: tuple[Any, Any], alone: tuple[Any, Any] | None, sl: slice) -> None:
+  """The last example of `sl` must get the same start canvas in its batch (`batch`) as alone (`alone`): a hook that
+  draws its noise per call or by batch position would make the results depend on `eval.batch_size`."""
+  same = alone is not None and all(np.array_equal(np.asarray(b)[-1], np.asarray(a)[0]) for b, a in zip(batch, alone))
+  if not same:
+    raise ConfigError(f"task {task.name!r}: seed_canvas gives example {sl.stop - 1} another start canvas in a batch of "
+                      f"{sl.stop - sl.start} than alone; make each row depend on its own record only (draw any noise "
+                      f"from the record, e.g. a generator seeded with its prompt), so results do not depend on "
+                      f"eval.batch_size")
+
+
 def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task,
                   sl: slice) -> tuple[np.ndarray, np.ndarray] | None:
   """(seed ids, pinned) [rows, whole canvases] for the examples `sl`: the task's `seed_canvas` hook, else the
@@ -152,6 +163,9 @@ def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: Sa
   canvas = sampling.canvas_length or model.config.canvas_length
   num_tokens = -(-sampling.max_new_tokens // canvas) * canvas  # whole canvases
   seeded = task.seed_canvas(data.examples[sl], tokenizer, num_tokens)
+  if seeded is not None and sl.stop - sl.start > 1:
+    _check_per_record(task, seeded, task.seed_canvas(data.examples[sl.stop - 1:sl.stop], tokenizer, num_tokens),
+                      sl)
   if seeded is None and data.records.completion_pinned is not None:
     seeded = _pinned_from_records(data.records, sl, num_tokens, model.config.vocab_size)
   return seeded

@@ -142,7 +142,9 @@ class DataSection:
   """SFT data: JSONL files with prompt/completion strings, or a built-in generator that writes them.
 
   generator: a task name (see `hackable_diffusion.tasks.base.BUILTIN_TASKS`) or 'module:factory' whose task writes
-    train/validation JSONL into workdir/data ('' = use train_path / validation_path).
+    train/validation JSONL into workdir/data ('' = use train_path / validation_path). With a generator, a
+    train_path / validation_path that is set replaces the generated split of that name (e.g. evaluate a run on
+    another file: --config.data.validation_path=FILE --config.eval.split=validation).
   generator_args: keyword arguments of that task.
   max_prompt_length / max_canvases: prompt tokens (left-padded) and completion canvases per example.
   pinned_field: '' or the JSON key of a '0'/'1' string marking completion tokens known at sampling time

@@ -63,15 +63,18 @@ def is_run_workdir(path: str) -> bool:
 def data_paths(cfg: ExperimentConfig, workdir: str, *, progress: bool | None = None) -> dict[str, str]:
   """`{'train': path, 'validation': path or '', ...}`; a built-in generator writes its files (every split it
   makes, e.g. also 'test') into workdir/data, with its progress bar when `progress` (None: on process 0) and its
-  `make_data` takes a `progress` argument (a task written without one is called as before)."""
-  if cfg.data.generator:
-    task = get_task(cfg.data.generator, cfg.data.generator_args)
-    progress = is_main_process() if progress is None else progress
-    kwargs = {"progress": progress} if "progress" in inspect.signature(task.make_data).parameters else {}
-    paths = dict(task.make_data(os.path.join(workdir, DATA_DIR), **kwargs))
-    paths.setdefault("validation", "")
-    return paths
-  return {"train": cfg.data.train_path, "validation": cfg.data.validation_path}
+  `make_data` takes a `progress` argument (a task written without one is called as before). `data.train_path` /
+  `data.validation_path`, when set, replace the generated split of that name (e.g. to evaluate a run on another
+  file)."""
+  given = {"train": cfg.data.train_path, "validation": cfg.data.validation_path}
+  if not cfg.data.generator:
+    return given
+  task = get_task(cfg.data.generator, cfg.data.generator_args)
+  progress = is_main_process() if progress is None else progress
+  kwargs = {"progress": progress} if "progress" in inspect.signature(task.make_data).parameters else {}
+  paths = dict(task.make_data(os.path.join(workdir, DATA_DIR), **kwargs))
+  paths.setdefault("validation", "")
+  return paths | {split: path for split, path in given.items() if path}
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------------------------

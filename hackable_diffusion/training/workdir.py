@@ -116,12 +116,9 @@ def check_writable_dir(path: str, *, what: str = "workdir", hint: str = "") -> s
 
 
 def check_data_paths(cfg: ExperimentConfig) -> None:
-  """One-line `DataError` when a configured data file (train, validation when set) does not exist.
-
-  `data.generator` runs write their own files into the workdir and are not checked here.
+  """One-line `DataError` when a configured data file (train, validation when set) does not exist (with
+  `data.generator` too: a path given replaces the generated split; the generated files are not checked here).
   """
-  if cfg.data.generator:
-    return
   for key, path in (("train_path", cfg.data.train_path), ("validation_path", cfg.data.validation_path)):
     if not path:
       continue

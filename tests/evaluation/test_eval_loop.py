@@ -153,8 +153,8 @@ def test_data_pinned_tokens_are_pinned_in_evaluation(setup):
 
 
 class _PinSome(BaseTask):
-  """Pins the first `3 - i % 4` positions of the i-th example of a batch (the later examples have more free
-  cells); digits only."""
+  """Pins the first `3 - k % 4` positions of the example with field `k` (k = 0..3: the later examples have more
+  free cells); digits only."""
 
   name = "pin_some"
   primary_metric = "count"
@@ -169,10 +169,40 @@ class _PinSome(BaseTask):
     seed = np.zeros((len(records), num_tokens), np.int32)
     pinned = np.zeros((len(records), num_tokens), bool)
     for i, r in enumerate(records):
-      k = 3 - i % 4
+      k = 3 - r.fields["k"] % 4  # from the record (fields k = 0..3), not its place in the batch
       seed[i, :k] = tokenizer.encode(r.completion[:k])
       pinned[i, :k] = True
     return seed, pinned
+
+
+class _NoisePerCall(_PinSome):
+  """Noise from one generator per call (the Sudoku task's hook before session 33) or by place in the batch: a row's
+  start canvas then depends on the batch it is in."""
+
+  def __init__(self, by_place: bool):
+    self.by_place = by_place
+
+  def seed_canvas(self, records, tokenizer, num_tokens):
+    seed, pinned = super().seed_canvas(records, tokenizer, num_tokens)
+    if self.by_place:
+      pinned[:, 0] = np.arange(len(records)) % 2 == 0
+      return seed, pinned
+    noise = np.random.default_rng(len(records)).integers(0, tokenizer.vocab_size, size=seed.shape)
+    return np.where(pinned, seed, noise).astype(np.int32), pinned
+
+
+@pytest.mark.parametrize("by_place", [False, True])
+def test_a_start_canvas_that_depends_on_its_batch_is_a_one_line_error(setup, by_place):
+  """Results must not depend on `eval.batch_size`: the loop compares each batch's last row with the hook called on
+  that example alone and names the task and example when they differ; with batches of one it cannot differ."""
+  _, tok, model, data = setup
+  sampling = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=2), max_new_tokens=8)[0].sampling
+  with pytest.raises(ConfigError, match=r"^task 'pin_some': seed_canvas gives example 3 another start canvas in a "
+                                        r"batch of 4 than alone; .* eval\.batch_size$"):
+    loop.generate_texts(model, tok, data, sampling, _NoisePerCall(by_place), batch_size=4, rng=jax.random.key(0))
+  texts, _ = loop.generate_texts(model, tok, data, sampling, _NoisePerCall(by_place), batch_size=1,
+                                 rng=jax.random.key(0))
+  assert len(texts) == 4
 
 
 def test_early_stopping_streams_the_most_free_cells_first_with_the_same_completions(setup, monkeypatch):

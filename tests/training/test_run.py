@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.errors import ConfigError, DataError
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.training import workdir as workdir_lib
 
 
 class _StandInTokenizer:
@@ -53,9 +54,10 @@ def test_bad_model_dtype_is_one_line():
     _config("/some/checkpoint", **{"model.dtype": "int8"})
 
 
-def _sudoku_data_config(**generator_args):
+def _sudoku_data_config(data_overrides=None, **generator_args):
   args = {"num_train": 6, "num_validation": 2, "num_test": 2, "workers": 1, **generator_args}
   overrides = {"data.generator": "sudoku"} | {f"data.generator_args.{k}": v for k, v in args.items()}
+  overrides |= {f"data.{k}": v for k, v in (data_overrides or {}).items()}
   return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("sudoku.py", overrides))
 
 
@@ -80,3 +82,18 @@ def test_a_task_without_a_progress_argument_still_makes_data(tmp_path, monkeypat
   monkeypatch.setattr(run_lib, "get_task", lambda name, args: OldTask())
   paths = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
   assert paths == {"train": "t.jsonl", "validation": ""} and len(calls) == 1
+
+
+def test_a_given_path_replaces_the_generated_split(tmp_path):
+  """`data.validation_path` with a generator: evaluation reads that file (e.g. a run's own hard puzzles), not the
+  generated validation split, which was silently used before; the other splits stay generated. A path that does not
+  exist is a one-line error before anything is written."""
+  mine = tmp_path / "mine.jsonl"
+  mine.write_text('{"prompt": "1", "completion": "2"}\n')
+  generated = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
+  paths = run_lib.data_paths(_sudoku_data_config({"validation_path": str(mine)}), str(tmp_path / "run"),
+                             progress=False)
+  assert paths == generated | {"validation": str(mine)} and generated["validation"] != str(mine)
+  missing = _sudoku_data_config({"validation_path": str(tmp_path / "nope.jsonl")})
+  with pytest.raises(DataError, match=r"^data.validation_path=.*nope.jsonl: data file not found$"):
+    workdir_lib.check_data_paths(missing)
