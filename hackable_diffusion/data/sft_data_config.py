@@ -27,6 +27,9 @@ class SFTDataConfig:
       (as in a checkpoint's chat_template.jinja); or 'tokenizer' for the tokenizer's own chat template. Chat
       records always use a jinja template: this one when it is jinja, else the tokenizer's.
     max_prompt_length: P, prompt tokens after left padding (bos included when `add_bos`).
+    min_prompt_length: a shorter prompt is an error naming its file and line (0: any length). A model whose
+      attention structure reads the first W prompt slots (e.g. a Sudoku grid) needs W real tokens there: the
+      trainer and the evaluation set W (`model.structure.prompt_width`).
     canvas_length: C, tokens per canvas (block).
     max_canvases: N; the completion capacity is N * C tokens (eos included when `append_eos`).
     append_eos / add_bos: add eos after the completion / bos before the prompt.
@@ -48,6 +51,7 @@ class SFTDataConfig:
   messages_field: str = 'messages'
   chat_template: str | None = None
   max_prompt_length: int
+  min_prompt_length: int = 0
   canvas_length: int
   max_canvases: int = 1
   append_eos: bool = True
@@ -93,6 +97,10 @@ class SFTDataConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f'{name} must be a positive integer, got {v!r}')
+    if isinstance(self.min_prompt_length, bool) or not isinstance(self.min_prompt_length, int) or not (
+        0 <= self.min_prompt_length <= self.max_prompt_length):
+      raise ValueError(f'min_prompt_length must be an integer in [0, max_prompt_length={self.max_prompt_length}], '
+                       f'got {self.min_prompt_length!r}')
     if self.prefetch_batches < 0:
       raise ValueError(f'prefetch_batches must be >= 0, got {self.prefetch_batches!r}')
     if self.on_overlength not in ('error', 'truncate'):

@@ -202,7 +202,7 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   """
   if path is not None:
     config = dataclasses.replace(config, path=path)
-  stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0}
+  stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0, 'unk_tokens': 0}
   read_all: list[TextRecord] = []
   for p in config.paths:
     read = read_records(p, prompt_field=config.prompt_field, completion_field=config.completion_field,
@@ -236,7 +236,12 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   completion_lengths = np.zeros((num,), np.int32)
   completion_pinned = np.zeros((num, cap), bool) if config.pinned_field is not None else None
   truncate = config.on_overlength == 'truncate'
+  unk, first_unk = tokenizer.unk_id, ''
   for i, (pt, ct) in enumerate(zip(prompt_tokens, completion_tokens)):
+    unknown = pt.count(unk) + ct.count(unk) if unk >= 0 else 0
+    if unknown:  # characters the tokenizer does not know (a run of them is one unk token): counted and logged
+      stats['unk_tokens'] += unknown
+      first_unk = first_unk or '{}:{}'.format(*sources[i])
     if completion_pinned is not None:
       if len(pins[i]) != len(ct):
         f, n = sources[i]
@@ -265,6 +270,13 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
             f"={cap}; raise max_canvases or set on_overlength='truncate'")
       ct = ct[:cap]
       stats['truncated_completions'] += 1
+    if len(pt) < config.min_prompt_length:
+      f, n = sources[i]
+      unknown = pt.count(unk) if unk >= 0 else 0
+      hint = (f' ({unknown} of its tokens are unk: characters the tokenizer does not know, a run of them one token)'
+              if unknown else '')
+      raise DataError(f'{f}:{n}: prompt is {len(pt)} tokens{hint}, fewer than min_prompt_length='
+                      f"{config.min_prompt_length} (the model's attention structure reads that many prompt slots)")
     if pt:
       prompt_ids[i, P - len(pt):] = pt
     completion_ids[i, :len(ct)] = ct
@@ -273,7 +285,8 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
 
   msg = (f'SFT data {", ".join(config.paths)}: {num} records; skipped_malformed='
          f'{stats["skipped_malformed"]}, truncated_prompts={stats["truncated_prompts"]}, '
-         f'truncated_completions={stats["truncated_completions"]}')
+         f'truncated_completions={stats["truncated_completions"]}, unk_tokens={stats["unk_tokens"]}'
+         + (f' (characters the tokenizer does not know, first at {first_unk})' if first_unk else ''))
   (logging.warning if any(stats.values()) else logging.info)(msg)
   return SFTRecords(prompt_ids=prompt_ids, prompt_lengths=prompt_lengths,
                     completion_ids=completion_ids, completion_lengths=completion_lengths,

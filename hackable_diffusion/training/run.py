@@ -265,6 +265,7 @@ def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str,
     return SFTDataConfig(
         path=path, prompt_field=d.prompt_field, completion_field=d.completion_field,
         messages_field=d.messages_field, chat_template=d.chat_template or None, max_prompt_length=d.max_prompt_length,
+        min_prompt_length=width,
         canvas_length=model_config.canvas_length, max_canvases=d.max_canvases, append_eos=d.append_eos,
         add_bos=d.add_bos, on_overlength=d.on_overlength, on_malformed=d.on_malformed, batch_size=batch_size,
         shuffle=shuffle, seed=seed, num_epochs=None, drop_remainder=True, prefetch_batches=d.prefetch_batches,

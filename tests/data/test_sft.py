@@ -53,7 +53,8 @@ def one_line_error(excinfo, path, lineno=None):
     ('max_prompt_length', 0), ('canvas_length', -1), ('max_canvases', 0), ('batch_size', 0),
     ('on_overlength', 'skip'), ('on_malformed', 'ignore'), ('num_epochs', 0),
     ('chat_template', 'no placeholder'), ('chat_template', '{other}'), ('prompt_field', ''),
-    ('path', []), ('prefetch_batches', -1), ('batch_size', 2.5),
+    ('path', []), ('prefetch_batches', -1), ('batch_size', 2.5), ('min_prompt_length', 7),
+    ('min_prompt_length', -1),
 ])
 def test_config_validation_names_field_and_value(field, value):
   with pytest.raises(ValueError) as e:
@@ -167,7 +168,7 @@ def test_malformed_skip_counts_and_logs_once(tmp_path, tok, caplog):
   with caplog.at_level(logging.INFO):
     r = load_records(None, config(str(path), on_malformed='skip'), tok)
   assert len(r) == 2 and [n for _, n in r.sources] == [1, 4]
-  assert r.stats == {'skipped_malformed': 3, 'truncated_prompts': 0, 'truncated_completions': 0}
+  assert r.stats == {'skipped_malformed': 3, 'truncated_prompts': 0, 'truncated_completions': 0, 'unk_tokens': 0}
   msgs = [rec.getMessage() for rec in caplog.records if 'skipped_malformed=3' in rec.getMessage()]
   assert len(msgs) == 1
 
@@ -188,6 +189,30 @@ def test_overlong_prompt_error(tmp_path, tok):
   assert '7 tokens' in msg and 'max_prompt_length=6' in msg and 'on_overlength' in msg
 
 
+def test_short_prompt_under_min_prompt_length_is_an_error_that_counts_unknown_characters(tmp_path, tok):
+  """A model's attention structure reads the first W prompt slots: a shorter prompt would be left-padded out of
+  place. Here the second line's '#' and '~' are unknown to the tokenizer and collapse into one unk token, so its
+  4 characters become 3 tokens (the first line, 4 known characters, passes)."""
+  path = write_jsonl(tmp_path / 'd.jsonl', [{'prompt': '1234', 'completion': 'a'}, {'prompt': '1#~2', 'completion': 'a'}])
+  assert len(load_records(None, config(path, min_prompt_length=3), tok).prompts) == 2
+  with pytest.raises(DataError) as e:
+    load_records(None, config(path, min_prompt_length=4), tok)
+  msg = one_line_error(e, path, 2)
+  assert 'prompt is 3 tokens (1 of its tokens are unk' in msg and 'min_prompt_length=4' in msg, msg
+
+
+def test_unknown_characters_are_counted_and_logged_with_the_first_line(tmp_path, tok, caplog):
+  """Characters the tokenizer does not know become unk tokens (a run of them one token): never silent, the summary
+  warning counts them and names the first line that has one."""
+  path = write_jsonl(tmp_path / 'd.jsonl', [GOOD, {'prompt': '1#2', 'completion': 'a'},
+                                             {'prompt': '1', 'completion': 'a~~b'}])
+  with caplog.at_level(logging.INFO):
+    r = load_records(None, config(path), tok)
+  assert r.stats['unk_tokens'] == 2
+  warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+  assert len(warnings) == 1 and 'unk_tokens=2' in warnings[0] and f'first at {path}:2' in warnings[0], warnings
+
+
 def test_overlong_completion_error(tmp_path, tok):
   path = write_jsonl(tmp_path / 'd.jsonl', [{'prompt': '1', 'completion': 'abcdefgh'}])
   with pytest.raises(DataError) as e:
@@ -200,7 +225,7 @@ def test_truncate_counts_and_keeps_prompt_end_completion_start(tmp_path, tok):
   path = write_jsonl(tmp_path / 'd.jsonl', [{'prompt': '1234567', 'completion': 'abcdefgh'},
                                             {'prompt': '12', 'completion': 'abcdefg'}])
   r = load_records(None, config(path, on_overlength='truncate'), tok)
-  assert r.stats == {'skipped_malformed': 0, 'truncated_prompts': 1, 'truncated_completions': 1}
+  assert r.stats == {'skipped_malformed': 0, 'truncated_prompts': 1, 'truncated_completions': 1, 'unk_tokens': 0}
   np.testing.assert_array_equal(r.prompt_ids[0], tok.encode('234567'))
   # truncated completion: first 8 tokens, no eos; the other fits exactly with its eos
   np.testing.assert_array_equal(r.completion_ids[0], tok.encode('abcdefgh'))

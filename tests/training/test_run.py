@@ -3,9 +3,13 @@ data generator follows the progress flag."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
+from hackable_diffusion.data import load_records, train_tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import run as run_lib
@@ -97,3 +101,23 @@ def test_a_given_path_replaces_the_generated_split(tmp_path):
   missing = _sudoku_data_config({"validation_path": str(tmp_path / "nope.jsonl")})
   with pytest.raises(DataError, match=r"^data.validation_path=.*nope.jsonl: data file not found$"):
     workdir_lib.check_data_paths(missing)
+
+
+def test_a_structured_model_needs_prompts_as_wide_as_its_structure(tmp_path):
+  """The Sudoku config's own-cell structure reads the 81 prompt slots: a puzzle written with '.' blanks (unknown to
+  the digit tokenizer; a run of them becomes one unk token) is a one-line error naming the file and line, not a
+  prompt left-padded out of place (or an error deep in the sampler); an 81-digit puzzle loads."""
+  digits = ("1234567890" * 9)[:81]
+  line = {"completion": "5" * 81, "pinned": "0" * 81}
+  path = tmp_path / "mine.jsonl"
+  path.write_text(json.dumps(line | {"prompt": digits}) + "\n" + json.dumps(line | {"prompt": "." * 9 + digits[9:]})
+                  + "\n")
+  cfg = _sudoku_data_config()
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
+  data_cfg = run_lib.sft_data_config(cfg, model_config, str(path), batch_size=1, shuffle=False, seed=0)
+  assert data_cfg.min_prompt_length == data_cfg.max_prompt_length == 81
+  tok = train_tokenizer(["0123456789"])
+  with pytest.raises(DataError, match=rf"^{path}:2: prompt is 73 tokens \(1 of its tokens are unk.*"
+                                      r"min_prompt_length=81 \(.*attention structure"):
+    load_records(None, data_cfg, tok)
+  assert load_records(None, dataclasses.replace(data_cfg, min_prompt_length=73), tok).prompts[0] == digits
