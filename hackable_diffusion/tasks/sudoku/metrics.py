@@ -4,7 +4,9 @@
   that keeps every given of the puzzle;
 - cell accuracy on blanks: predicted digit == solution digit, over the puzzle's blank cells;
 
-both overall and stratified by givens (easy >= 40, medium 30-39, hard < 30). Predictions may hold
+both overall, stratified by givens (easy >= 40, medium 30-39, hard < 30), and over the puzzles that naked and
+hidden singles alone do not fill (`beyond_singles/`: they need pairs, chains or trial and error, whatever their
+givens; `solver.fill_by_singles`). Predictions may hold
 anything (-1 for an unparsable cell, out-of-range ints, floats, NaN): such cells count as wrong and
 never raise.
 """
@@ -132,7 +134,7 @@ def sudoku_metrics(preds: np.ndarray, puzzles: np.ndarray, solutions: np.ndarray
 
   Returns:
     Flat dict: ``solved_rate``, ``cell_accuracy``, ``count`` and the same under ``easy/``, ``medium/``,
-    ``hard/`` (e.g. ``'hard/solved_rate'``). ``cell_accuracy`` pools all blank cells of the group
+    ``hard/`` (e.g. ``'hard/solved_rate'``) and ``beyond_singles/``. ``cell_accuracy`` pools all blank cells of the group
     (micro average). Rates of an empty group are NaN with ``count`` 0.
   """
   preds = _check_batch(preds, 'preds')
@@ -157,6 +159,7 @@ def sudoku_metrics(preds: np.ndarray, puzzles: np.ndarray, solutions: np.ndarray
   bucket_of = np.array([generator.difficulty_bucket(int(g)) for g in givens], dtype=object)
   for bucket in generator.BUCKETS:
     groups[f'{bucket}/'] = bucket_of == bucket
+  groups['beyond_singles/'] = np.array([solver.fill_by_singles(p) is None for p in puzzles], dtype=bool)
   out = {}
   for prefix, sel in groups.items():
     count = int(sel.sum())

@@ -171,3 +171,20 @@ def test_parse_prediction():
   assert (metrics.parse_prediction(None) == -1).all()
   assert (metrics.parse_prediction('١٢٣' * 30) == -1).all()  # non-ASCII digits are not cells' digits
   assert metrics.is_valid_solution(metrics.parse_prediction(spaced), EMPTY)
+
+
+def test_beyond_singles_group_holds_the_puzzles_scanning_cannot_fill():
+  """Wikipedia's example puzzle falls to naked and hidden singles, Inkala's (21 givens) does not: only the latter is
+  in `beyond_singles/`, which is scored like the difficulty buckets."""
+  wiki = grid('530070000600195000098000060800060003400803001700020006060000280000419005000080079')
+  wiki_solution = grid('534678912672195348198342567859761423426853791713924856961537284287419635345286179')
+  inkala = grid('800000000003600000070090200050007000000045700000100030001000068008500010090000400')
+  inkala_solution = grid('812753649943682175675491283154237896369845721287169534521974368438526917796318452')
+  puzzles, solutions = np.stack([wiki, inkala]), np.stack([wiki_solution, inkala_solution])
+  out = metrics.sudoku_metrics(solutions, puzzles, solutions)
+  assert out['beyond_singles/count'] == 1 and out['beyond_singles/solved_rate'] == 1.0
+  wrong = solutions.copy()
+  wrong[1, 1] = wrong[1, 2]  # Inkala's cell 1 is blank: a repeated digit, not solved
+  out = metrics.sudoku_metrics(wrong, puzzles, solutions)
+  assert out['beyond_singles/solved_rate'] == 0.0 and out['solved_rate'] == 0.5
+  assert out['beyond_singles/cell_accuracy'] == pytest.approx(59 / 60)
