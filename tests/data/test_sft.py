@@ -193,7 +193,8 @@ def test_short_prompt_under_min_prompt_length_is_an_error_that_counts_unknown_ch
   """A model's attention structure reads the first W prompt slots: a shorter prompt would be left-padded out of
   place. Here the second line's '#' and '~' are unknown to the tokenizer and collapse into one unk token, so its
   4 characters become 3 tokens (the first line, 4 known characters, passes)."""
-  path = write_jsonl(tmp_path / 'd.jsonl', [{'prompt': '1234', 'completion': 'a'}, {'prompt': '1#~2', 'completion': 'a'}])
+  path = write_jsonl(tmp_path / 'd.jsonl', [{'prompt': '1234', 'completion': 'a'},
+                                             {'prompt': '1#~2', 'completion': 'a'}])
   assert len(load_records(None, config(path, min_prompt_length=3), tok).prompts) == 2
   with pytest.raises(DataError) as e:
     load_records(None, config(path, min_prompt_length=4), tok)

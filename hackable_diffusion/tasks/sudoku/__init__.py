@@ -26,7 +26,7 @@ from hackable_diffusion.tasks.sudoku.metrics import (
     parse_prediction,
     sudoku_metrics,
 )
-from hackable_diffusion.tasks.sudoku.solver import count_solutions, solve, validate_grid
+from hackable_diffusion.tasks.sudoku.solver import count_solutions, fill_by_singles, solve, validate_grid
 
 __all__ = [
     'BUCKETS',
@@ -38,6 +38,7 @@ __all__ = [
     'dataset_paths',
     'difficulty_bucket',
     'ensure_dataset',
+    'fill_by_singles',
     'generate_bucketed',
     'generate_dataset',
     'generate_puzzles',

@@ -134,8 +134,8 @@ def sudoku_metrics(preds: np.ndarray, puzzles: np.ndarray, solutions: np.ndarray
 
   Returns:
     Flat dict: ``solved_rate``, ``cell_accuracy``, ``count`` and the same under ``easy/``, ``medium/``,
-    ``hard/`` (e.g. ``'hard/solved_rate'``) and ``beyond_singles/``. ``cell_accuracy`` pools all blank cells of the group
-    (micro average). Rates of an empty group are NaN with ``count`` 0.
+    ``hard/`` (e.g. ``'hard/solved_rate'``) and ``beyond_singles/``. ``cell_accuracy`` pools all blank cells of
+    the group (micro average). Rates of an empty group are NaN with ``count`` 0.
   """
   preds = _check_batch(preds, 'preds')
   puzzles = _check_batch(puzzles, 'puzzles')

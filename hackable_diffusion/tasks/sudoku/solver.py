@@ -263,8 +263,8 @@ def fill_by_singles(grid: np.ndarray) -> np.ndarray | None:
   """``grid`` filled by naked singles (a cell with one candidate) and hidden singles (a digit with one place in a
   row, column or box) alone, as ``[81]`` int8; ``None`` when they get stuck or meet a contradiction.
 
-  No guessing: a puzzle it fills is one a person solves by scanning alone, the technique level of most puzzles sold
-  as easy or medium; one it cannot fill needs more (pairs, chains, trial and error), whatever its givens count.
+  No guessing: a puzzle it fills is one a person solves by scanning alone; one it cannot fill needs more (pairs,
+  chains, trial and error), whatever its givens count.
   """
   cells = [int(v) for v in validate_grid(grid)]
   state = masks_from_cells(cells)
