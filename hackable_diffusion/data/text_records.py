@@ -86,7 +86,10 @@ def read_records(path: str, *, prompt_field: str = 'prompt', completion_field: s
             break
       if problem is None and pinned_field is not None:
         pin = obj.get(pinned_field)
-        if not isinstance(pin, str) or set(pin) - {'0', '1'}:
+        if pin is None:
+          problem = (f"missing field {pinned_field!r} (pinned_field; set data.pinned_field='' for data without "
+                     f"pinned tokens)")
+        elif not isinstance(pin, str) or set(pin) - {'0', '1'}:
           problem = f"field {pinned_field!r} (pinned_field) must be a string of '0'/'1', got {short_repr(pin)}"
     if problem is not None:
       if on_malformed == 'error':

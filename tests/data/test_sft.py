@@ -338,3 +338,7 @@ def test_pinned_field_errors_name_file_and_line(tmp_path, tok):
   with pytest.raises(DataError) as e:
     load_records(None, config(bad, pinned_field='pins'), tok)
   one_line_error(e, bad, 1)
+  none = write_jsonl(tmp_path / 'r.jsonl', [{'prompt': '1', 'completion': '23'}])
+  with pytest.raises(DataError) as e:
+    load_records(None, config(none, pinned_field='pins'), tok)
+  assert "missing field 'pins' (pinned_field; set data.pinned_field=''" in one_line_error(e, none, 1)
