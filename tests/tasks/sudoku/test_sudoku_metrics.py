@@ -173,6 +173,23 @@ def test_parse_prediction():
   assert metrics.is_valid_solution(metrics.parse_prediction(spaced), EMPTY)
 
 
+# Two generated puzzles, classified by a separate set-based singles solver (not the code under test): 23 givens that
+# scanning fills, and 39 givens that it does not; the group follows the technique, not the givens count.
+SCANNED_23 = ('000180704000000000802000000000006203010040006030000078050600090000310000904200000',
+              '396185724571462389842937561485796213217843956639521478153674892728319645964258137')
+BEYOND_39 = ('000201300391800000020000409006009041005017890009402035000005903050908124984003560',
+             '467291358391854672528736419736589241245317896819462735172645983653978124984123567')
+
+
+def test_beyond_singles_group_follows_the_technique_not_the_givens():
+  out = metrics.sudoku_metrics(*(np.stack([grid(p[i]) for p in (SCANNED_23, BEYOND_39)]) for i in (1, 0, 1)))
+  assert out['beyond_singles/count'] == 1 and out['hard/count'] == 1 and out['medium/count'] == 1
+  wrong = np.stack([grid(SCANNED_23[1]), grid(SCANNED_23[1])])  # the 39-given puzzle answered wrong
+  out = metrics.sudoku_metrics(wrong, np.stack([grid(SCANNED_23[0]), grid(BEYOND_39[0])]),
+                               np.stack([grid(SCANNED_23[1]), grid(BEYOND_39[1])]))
+  assert out['beyond_singles/solved_rate'] == 0.0 and out['hard/solved_rate'] == 1.0
+
+
 def test_beyond_singles_group_holds_the_puzzles_scanning_cannot_fill():
   """Wikipedia's example puzzle falls to naked and hidden singles, Inkala's (21 givens) does not: only the latter is
   in `beyond_singles/`, which is scored like the difficulty buckets."""
