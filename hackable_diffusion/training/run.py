@@ -37,7 +37,7 @@ from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
 from hackable_diffusion.model import scan, structure
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
-from hackable_diffusion.tasks.base import Task, get_task
+from hackable_diffusion.tasks.base import EvalRecord, Task, get_task
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
 from hackable_diffusion.training.config import ExperimentConfig
@@ -311,7 +311,22 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
     logging.warning("no %s data configured; evaluating on the training data", split)
     path = paths["train"]
   data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
-  return eval_loop.load_eval_data(path, data_cfg, tokenizer, num_examples or cfg.eval.num_examples)
+  num = num_examples or cfg.eval.num_examples
+  if data_cfg.pinned_field is None:
+    return eval_loop.load_eval_data(path, data_cfg, tokenizer, num)
+  # The data's pins are read only where a task brings no start canvases of its own (Sudoku pins its givens from
+  # the prompt): then a file without the pinned field (e.g. a user's own puzzles) needs no --config.data.pinned_field=.
+  unpinned = eval_loop.load_eval_data(path, dataclasses.replace(data_cfg, pinned_field=None), tokenizer, num)
+  if unpinned.examples and _tasks_seed_canvases(cfg, tokenizer, unpinned.examples[0], model_config.canvas_length):
+    return unpinned
+  return eval_loop.load_eval_data(path, data_cfg, tokenizer, num)
+
+
+def _tasks_seed_canvases(cfg: ExperimentConfig, tokenizer: Tokenizer, example: EvalRecord, num_tokens: int) -> bool:
+  """Whether the evaluation task and every ablation's task give `example` a start canvas of their own
+  (`seed_canvas` not None), so that no run reads the data's pinned tokens."""
+  tasks = [eval_task(cfg)] + [eval_task(cfg, overrides) for overrides in cfg.eval.ablations.values()]
+  return all(task.seed_canvas([example], tokenizer, num_tokens) is not None for task in tasks)
 
 
 def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data: eval_loop.EvalData, *,

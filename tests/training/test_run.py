@@ -121,3 +121,30 @@ def test_a_structured_model_needs_prompts_as_wide_as_its_structure(tmp_path):
                                       r"min_prompt_length=81 \(.*attention structure"):
     load_records(None, data_cfg, tok)
   assert load_records(None, dataclasses.replace(data_cfg, min_prompt_length=73), tok).prompts[0] == digits
+
+
+def test_evaluating_own_puzzles_needs_no_pinned_field(tmp_path):
+  """The Sudoku task pins the givens from the prompt, so a puzzle file without the `pinned` field (e.g. a user's
+  own puzzles) evaluates with the run's config as is (it needed `--config.data.pinned_field=` before); a task
+  without start canvases of its own still reads the field, and a file without it is the one-line error."""
+  generated = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
+  lines = [json.loads(line) for line in open(generated["validation"])]
+  assert all("pinned" in line for line in lines)
+  mine = tmp_path / "mine.jsonl"
+  mine.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "pinned"}) + "\n" for line in lines))
+  cfg = _sudoku_data_config({"validation_path": str(mine)})
+  cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, split="validation"))
+  assert cfg.data.pinned_field == "pinned"
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
+  tok = train_tokenizer(["0123456789"])
+  paths = run_lib.data_paths(cfg, str(tmp_path / "run"), progress=False)
+  data = run_lib.load_eval_data(cfg, model_config, tok, paths)
+  assert [e.prompt for e in data.examples] == [line["prompt"] for line in lines]
+  assert data.records.completion_pinned is None
+  text_task = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, task="text", task_args={}, ablations={}))
+  with pytest.raises(DataError, match=rf"^{mine}:1: missing field 'pinned' \(pinned_field; set data.pinned_field=''"):
+    run_lib.load_eval_data(text_task, model_config, tok, paths)
+  # the generated split (with its pins) loads the same examples either way
+  pinned = run_lib.load_eval_data(dataclasses.replace(text_task, data=dataclasses.replace(
+      cfg.data, validation_path="")), model_config, tok, generated)
+  assert pinned.records.completion_pinned is not None and len(pinned) == len(lines)
