@@ -31,6 +31,7 @@ from hackable_diffusion.data.sft import SFTDataConfig, format_prompt, read_recor
 from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, train_tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.evaluation import loop as eval_loop
+from hackable_diffusion.evaluation.checks import check_records
 from hackable_diffusion.interop.hf import load_config as load_hf_config
 from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
 from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
@@ -312,13 +313,14 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
     path = paths["train"]
   data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
   num = num_examples or cfg.eval.num_examples
-  if data_cfg.pinned_field is None:
-    return eval_loop.load_eval_data(path, data_cfg, tokenizer, num)
+  data = eval_loop.load_eval_data(path, dataclasses.replace(data_cfg, pinned_field=None), tokenizer, num)
+  # every record usable by the task before anything is sampled (a one-line error naming file:line)
+  check_records(eval_task(cfg), data.examples, data.records.sources, tokenizer, model_config.canvas_length)
   # The data's pins are read only where a task brings no start canvases of its own (Sudoku pins its givens from
   # the prompt): then a file without the pinned field (e.g. a user's own puzzles) needs no --config.data.pinned_field=.
-  unpinned = eval_loop.load_eval_data(path, dataclasses.replace(data_cfg, pinned_field=None), tokenizer, num)
-  if unpinned.examples and _tasks_seed_canvases(cfg, tokenizer, unpinned.examples[0], model_config.canvas_length):
-    return unpinned
+  if data_cfg.pinned_field is None or (
+      data.examples and _tasks_seed_canvases(cfg, tokenizer, data.examples[0], model_config.canvas_length)):
+    return data
   return eval_loop.load_eval_data(path, data_cfg, tokenizer, num)
 
 

@@ -137,6 +137,8 @@ class SFTTrainer:
     self.seed = cfg.train.seed
     self._data_state: dict[str, Any] | None = None
     self._eval_data: eval_loop.EvalData | None = None
+    if cfg.train.eval_at_end or cfg.train.eval_every:
+      self.eval_data()  # a bad evaluation file or record fails now, not after training
     # one setup path: shapes -> shardings (None without a mesh) -> restore, load or init
     abstract, trainable = run_lib.build_abstract_model(cfg, self.model_config)
     self.graphdef, model_params, rest = nnx.split(abstract, trainable, ...)

@@ -121,6 +121,11 @@ def test_a_structured_model_needs_prompts_as_wide_as_its_structure(tmp_path):
                                       r"min_prompt_length=81 \(.*attention structure"):
     load_records(None, data_cfg, tok)
   assert load_records(None, dataclasses.replace(data_cfg, min_prompt_length=73), tok).prompts[0] == digits
+  # a grid written with line breaks: too long, and the usual advice (raise max_prompt_length) would not fit it
+  path.write_text(json.dumps(line | {"prompt": "\n".join(digits[i:i + 9] for i in range(0, 81, 9))}) + "\n")
+  with pytest.raises(DataError, match=rf"^{path}:1: prompt is 89 tokens, longer than max_prompt_length=81; the "
+                                      r"model's attention structure reads exactly that many prompt tokens"):
+    load_records(None, data_cfg, tok)
 
 
 def test_evaluating_own_puzzles_needs_no_pinned_field(tmp_path):
@@ -148,3 +153,20 @@ def test_evaluating_own_puzzles_needs_no_pinned_field(tmp_path):
   pinned = run_lib.load_eval_data(dataclasses.replace(text_task, data=dataclasses.replace(
       cfg.data, validation_path="")), model_config, tok, generated)
   assert pinned.records.completion_pinned is not None and len(pinned) == len(lines)
+
+
+def test_a_record_the_task_cannot_score_fails_when_the_data_are_loaded(tmp_path):
+  """A solution one cell short used to fail in the Sudoku metrics, after sampling every puzzle, with a traceback;
+  the evaluation data's loader now names its line before anything is sampled."""
+  generated = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
+  lines = [json.loads(line) for line in open(generated["validation"])]
+  lines[1]["completion"] = lines[1]["completion"][:80]
+  mine = tmp_path / "mine.jsonl"
+  mine.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  cfg = _sudoku_data_config({"validation_path": str(mine)})
+  cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, split="validation"))
+  model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
+  paths = run_lib.data_paths(cfg, str(tmp_path / "run"), progress=False)
+  with pytest.raises(DataError, match=rf"^{mine}:2: task 'sudoku' cannot use this record \(metrics: ValueError: "
+                                      r"expected 81 cells.*got 80\)$"):
+    run_lib.load_eval_data(cfg, model_config, train_tokenizer(["0123456789"]), paths)

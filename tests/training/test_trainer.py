@@ -16,6 +16,7 @@ from flax import nnx
 
 from hackable_diffusion.training import checkpointing
 from hackable_diffusion import cli
+from hackable_diffusion.errors import DataError
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training import logging as log_lib
 from hackable_diffusion.training import run as run_lib
@@ -202,3 +203,16 @@ def test_non_finite_loss_stops_and_keeps_last_good_state(tmp_path):
   assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
   records = log_lib.read_metrics(workdir)
   assert records[-1]["step"] == step and not np.isfinite(float(records[-1]["train/grad_norm"]))
+
+
+def test_a_bad_evaluation_file_fails_before_training(tmp_path):
+  """The evaluation data are read and checked when the trainer is built (they used to be read at the first
+  evaluation, after training): a malformed line is a one-line error naming it, and nothing was trained."""
+  bad = tmp_path / "validation.jsonl"
+  bad.write_text('{"prompt": "3 1 2", "completion": "1 2 3"}\n' * 2 + '{"prompt": "3 1 2", "completion": \n')
+  workdir = tmp_path / "run"
+  with pytest.raises(DataError, match=rf"^{bad}:3: invalid JSON"):
+    trainer_lib.SFTTrainer(tiny_config(**{"train.steps": 4, "data.validation_path": str(bad)}), str(workdir),
+                           progress=False)
+  assert not os.path.exists(os.path.join(workdir, checkpointing.CHECKPOINT_DIR)) or not os.listdir(
+      os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
