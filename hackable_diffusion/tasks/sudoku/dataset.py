@@ -184,13 +184,7 @@ def _claim(puzzles: np.ndarray, rows: Sequence[int], seen: set[str]) -> list[int
 
 def _write_jsonl(path: pathlib.Path, data: generator.SudokuDataset) -> None:
   with open(path, 'w', encoding='utf-8') as f:
-    for puzzle, solution, givens in zip(data.puzzles, data.solutions, data.givens):
-      record = {
-          'prompt': formatting.puzzle_to_prompt(puzzle),
-          'completion': formatting.solution_to_completion(solution),
-          'givens': int(givens),
-          'pinned': ''.join('1' if v else '0' for v in puzzle),  # completion tokens known at sampling time
-      }
-      f.write(json.dumps(record) + '\n')
+    for puzzle, solution in zip(data.puzzles, data.solutions):
+      f.write(json.dumps(formatting.to_record(puzzle, solution)) + '\n')
     f.flush()
     os.fsync(f.fileno())

@@ -8,12 +8,15 @@ box separators); `parse_grid` / `parse_puzzle` read all of them, `render_grid` d
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hackable_diffusion.tasks.sudoku import solver
 
-__all__ = ['BLANKS', 'SEPARATORS', 'cell_name', 'check_givens', 'count_cells', 'find_conflict', 'parse_grid',
-           'parse_puzzle', 'puzzle_to_prompt', 'render_grid', 'solution_to_completion', 'solution_verdict']
+__all__ = ['BLANKS', 'DIGITS', 'SEPARATORS', 'cell_name', 'check_givens', 'count_cells', 'find_conflict',
+           'parse_grid', 'parse_puzzle', 'puzzle_to_prompt', 'render_grid', 'solution_to_completion',
+           'solution_verdict', 'to_record']
 
 DIGITS = '123456789'
 BLANKS = '0._'  # what a blank cell may be written as
@@ -35,6 +38,14 @@ def solution_to_completion(grid: np.ndarray) -> str:
         f'a completion needs a complete grid, got {blanks.size} blank cells (first at cell {int(blanks[0])})'
     )
   return ''.join(str(int(v)) for v in flat)
+
+
+def to_record(puzzle: np.ndarray, solution: np.ndarray) -> dict[str, Any]:
+  """The JSONL record of a puzzle ``[81]`` (0 = blank) and its solution ``[81]``: ``prompt`` (81 characters, '0'
+  for a blank), ``completion`` (81 digits), ``givens`` and ``pinned`` ('1' at a given: the data pipeline's
+  ``pinned_field``)."""
+  return {'prompt': puzzle_to_prompt(puzzle), 'completion': solution_to_completion(solution),
+          'givens': int(np.sum(np.asarray(puzzle) > 0)), 'pinned': ''.join('1' if v else '0' for v in puzzle)}
 
 
 def parse_grid(text: str) -> np.ndarray:
