@@ -4,7 +4,9 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 (`hackable_diffusion.evaluation.loop`) and the trainer call:
 
 - `metrics(predictions, records) -> {name: float}` with the decoded texts (after the prompt, EOS and padding
-  removed) and the `EvalRecord`s they answer (prompt, reference completion and every other JSON field);
+  removed) and the `EvalRecord`s they answer (prompt, reference completion and every other JSON field); when the
+  evaluation data are loaded it is also called once with the references as predictions (and `seed_canvas` once),
+  so that a record it cannot use is an error naming its line before anything is sampled (`evaluation/checks.py`);
 - `allowed_token_ids(tokenizer)` -> ids the sampler may produce (None: all), e.g. digits + EOS for Sudoku;
 - `seed_canvas(records, tokenizer, num_tokens)` -> `(seed_ids [B, num_tokens], pinned [B, num_tokens])` or
   None: canvases that start from known tokens, pinned positions never change (e.g. Sudoku givens); the
