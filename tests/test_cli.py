@@ -214,6 +214,9 @@ def test_evaluate_and_sample_cli(killed_and_resumed):
   res = cli("evaluate", f"--workdir={workdir}", f"--out={out}", *EVAL_OVERRIDES, env=env, cwd=tmp)
   assert res.returncode == 0, res.stderr[-2000:]
   assert "early_stopping" in res.stdout and "exact_match=" in res.stdout
+  with open(os.path.join(workdir, "config.json")) as f:
+    threshold = json.load(f)["eval"]["sampling"]["confidence_threshold"]
+  assert f"sampler (the run's config.json" in res.stdout and f"confidence_threshold={threshold}" in res.stdout
   with open(os.path.join(out, f"report_step_{STEPS}.json")) as f:
     report = json.load(f)
   assert report["step"] == STEPS and report["num_examples"] == 64 and len(report["runs"]) == 3
