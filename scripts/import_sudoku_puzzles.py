@@ -5,7 +5,8 @@ r"""Converts a published Sudoku collection into the JSONL the evaluation reads.
       --config.data.validation_path=mine.jsonl --config.eval.num_examples=1000
 
 One puzzle per line: 81 cells with '.', '0' or '_' blanks (separators ignored), optionally followed by its 81-digit
-solution (a CSV `quizzes,solutions` file with its header, or space separated), or JSON lines with the puzzle under
+solution (a CSV `quizzes,solutions` file with its header, or space separated), a CSV whose header names a puzzle
+column (`id,puzzle,solution,clues,difficulty`: the other columns ignored), or JSON lines with the puzzle under
 one of `prompt` / `puzzle` / `quizzes` / `quiz` / `question` and the solution under `completion` / `solution` /
 `solutions` / `answer`. Puzzles without a solution are solved here; every puzzle must have exactly one solution
 and no clashing givens, and a given solution must solve it. An unusable line stops the import with one line naming
@@ -40,7 +41,9 @@ def main(argv: list[str]) -> int:
     return _fail(f"--out={_OUT.value} exists; pass --overwrite to replace it")
   try:
     puzzles, problems = importing.read_puzzles(_INPUT.value, on_bad=_ON_BAD.value)
-  except (ValueError, UnicodeDecodeError) as e:
+  except UnicodeDecodeError as e:  # a ValueError too: first
+    return _fail(f"{_INPUT.value}: not UTF-8 text ({e.reason} at byte {e.start})")
+  except ValueError as e:
     return _fail(str(e))
   if not puzzles:
     return _fail(f"{_INPUT.value}: no usable puzzle" + (f" ({len(problems)} lines skipped)" if problems else ""))

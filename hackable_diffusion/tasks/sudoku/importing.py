@@ -4,9 +4,11 @@ Puzzle collections come as one puzzle per line: 81 cells with '.', '0' or '_' fo
 solution (CSV `quizzes,solutions` with a header, or space separated), sometimes as JSON lines with other key names,
 often without solutions. `read_puzzles` reads any of these: the cells of a line (digits and blanks, separators
 ignored) are a puzzle (81) or a puzzle and its solution (162); a JSON line gives them under `PUZZLE_KEYS` /
-`SOLUTION_KEYS`; a first line without digits is a header. Every puzzle is checked (no clashing givens, exactly one
-solution); a given solution must solve it, a missing one is found by the solver. `records` gives the lines the
-evaluation reads: `{"prompt", "completion", "givens", "pinned"}` as the generated splits have them.
+`SOLUTION_KEYS`; a first line without digits is a header, and a CSV header naming a puzzle column (e.g.
+`id,puzzle,solution,clues,difficulty`) selects the columns of the lines below. Every puzzle is checked (no clashing
+givens, exactly one solution); a given solution must solve it, a missing one is found by the solver. `records`
+gives the lines the evaluation reads: `{"prompt", "completion", "givens", "pinned"}` as the generated splits have
+them.
 """
 
 from __future__ import annotations
@@ -39,8 +41,26 @@ def _cells_of_text(text: str) -> str:
   return "".join(ch for ch in text if ch in _CELL_CHARS)
 
 
-def _fields(line: str) -> tuple[str, str | None]:
-  """(puzzle cells, solution cells or None) of one line; ValueError naming what is wrong."""
+def header_columns(line: str) -> tuple[int, int | None] | None:
+  """(puzzle column, solution column or None) of a CSV header that names them (`PUZZLE_KEYS` / `SOLUTION_KEYS`,
+  any case), e.g. `id,puzzle,solution,clues,difficulty`; None when the line names no puzzle column."""
+  names = [name.strip().strip('"').lower() for name in line.split(",")]
+  puzzle = next((names.index(k) for k in PUZZLE_KEYS if k in names), None)
+  if puzzle is None:
+    return None
+  return puzzle, next((names.index(k) for k in SOLUTION_KEYS if k in names), None)
+
+
+def _fields(line: str, columns: tuple[int, int | None] | None = None) -> tuple[str, str | None]:
+  """(puzzle cells, solution cells or None) of one line (`columns`: those of a CSV header); ValueError naming what
+  is wrong."""
+  if columns is not None:
+    values = [v.strip().strip('"') for v in line.split(",")]
+    puzzle, solution = columns
+    if len(values) <= puzzle:
+      raise ValueError(f"{len(values)} comma-separated values; the header's puzzle column is number {puzzle + 1}")
+    given = solution is not None and solution < len(values) and values[solution]  # an empty solution: solve it
+    return values[puzzle], values[solution] if given else None
   if line.lstrip().startswith("{"):
     try:
       obj = json.loads(line)
@@ -63,9 +83,11 @@ def _fields(line: str) -> tuple[str, str | None]:
                    f"{2 * n} (a puzzle and its solution), one puzzle per line")
 
 
-def parse_puzzle_line(line: str, source: tuple[str, int]) -> ImportedPuzzle:
-  """One line -> an `ImportedPuzzle`; ValueError (one line, without the source) when it is not a usable puzzle."""
-  puzzle_text, solution_text = _fields(line)
+def parse_puzzle_line(line: str, source: tuple[str, int],
+                      columns: tuple[int, int | None] | None = None) -> ImportedPuzzle:
+  """One line -> an `ImportedPuzzle`; ValueError (one line, without the source) when it is not a usable puzzle.
+  `columns`: the puzzle / solution columns of a CSV header (`header_columns`)."""
+  puzzle_text, solution_text = _fields(line, columns)
   puzzle = formatting.parse_puzzle(puzzle_text)  # cell count, characters, clashing givens
   found = solver.count_solutions(puzzle, limit=2)
   if found != 1:
@@ -86,13 +108,17 @@ def read_puzzles(path: str, *, on_bad: str = "error") -> tuple[list[ImportedPuzz
   if on_bad not in ("error", "skip"):
     raise ValueError(f"on_bad={on_bad!r}; expected 'error' or 'skip'")
   puzzles, problems = [], []
-  with open(path, encoding="utf-8") as f:
+  columns = None
+  with open(path, encoding="utf-8-sig") as f:
     for number, line in enumerate(f, start=1):
       text = line.strip()
-      if not text or text.startswith("#") or (number == 1 and not any(ch.isdigit() for ch in text)):
+      if number == 1 and not any(ch.isdigit() for ch in text):  # a header; columns when it names them
+        columns = header_columns(text)
+        continue
+      if not text or text.startswith("#"):
         continue
       try:
-        puzzles.append(parse_puzzle_line(text, (path, number)))
+        puzzles.append(parse_puzzle_line(text, (path, number), columns))
       except ValueError as e:
         message = f"{path}:{number}: {e}"
         if on_bad == "error":
@@ -107,4 +133,5 @@ def records(puzzles: Sequence[ImportedPuzzle]) -> Iterator[dict[str, Any]]:
     yield formatting.to_record(p.puzzle, p.solution)
 
 
-__all__ = ["ImportedPuzzle", "PUZZLE_KEYS", "SOLUTION_KEYS", "parse_puzzle_line", "read_puzzles", "records"]
+__all__ = ["ImportedPuzzle", "PUZZLE_KEYS", "SOLUTION_KEYS", "header_columns", "parse_puzzle_line", "read_puzzles",
+           "records"]

@@ -37,11 +37,17 @@ def test_every_common_layout_gives_the_same_record(tmp_path):
       json.dumps({"puzzle": PUZZLE, "solution": SOLUTION}) + "\n",
       json.dumps({"quizzes": PUZZLE.replace(".", "_")}) + "\n",
       f"{PUZZLE[:40]} | {PUZZLE[40:]}\n",  # separators inside a line
+      f"\ufeffid,puzzle,solution,clues,difficulty\n0,{PUZZLE},{SOLUTION},30,2.2\n",  # named columns (and a BOM)
+      f"id,quizzes,rating\n17,{PUZZLE},1.5\n",  # named puzzle column, no solution: solved on import
   ]
   for text in layouts:
     recs, problems, puzzles, _ = _read(tmp_path, text)
     assert recs == [EXPECTED] and problems == [], text
     assert puzzles[0].solved_here == (SOLUTION not in text), text
+  # a named-column file whose line lacks the column
+  with pytest.raises(ValueError, match=r"puzzles.txt:2: 1 comma-separated values; the header's puzzle column is "
+                                       r"number 2$"):
+    _read(tmp_path, f"id,puzzle,solution\n{PUZZLE}\n")
 
 
 @pytest.mark.parametrize("line, message", [
@@ -79,3 +85,7 @@ def test_the_script_writes_whole_files_and_keeps_existing_ones(tmp_path):
       f"error: {src}:2: 80 cells (digits 1-9 and blanks '.', '0', '_'); expected 81 (a puzzle) or 162 (a puzzle and "
       f"its solution), one puzzle per line")
   assert out.read_text() == "mine\n"  # nothing written on an error
+  src.write_bytes(b"\xc0\xff" + PUZZLE.encode())
+  binary = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True, timeout=300)
+  assert binary.returncode == 1 and binary.stderr.strip().splitlines()[-1] == (
+      f"error: {src}: not UTF-8 text (invalid start byte at byte 0)")
