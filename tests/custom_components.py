@@ -20,9 +20,11 @@ from hackable_diffusion.tasks.base import BaseTask, check_lengths
 # ---- a task ------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OneDigitTask(BaseTask):
-  """Samples only `digit` (no EOS), so every prediction is `digit` repeated over the whole completion."""
+  """Samples only `digit` (no EOS), so every prediction is `digit` repeated over the whole completion; with
+  `refuse`, a record whose prompt contains it has no start canvas (a `ValueError`)."""
 
   digit: str = "7"
+  refuse: str = ""
   name: str = "one_digit"
   primary_metric: str = "all_digit"
 
@@ -34,6 +36,12 @@ class OneDigitTask(BaseTask):
 
   def allowed_token_ids(self, tokenizer):
     return tokenizer.token_ids_for(self.digit)
+
+  def seed_canvas(self, records, tokenizer, num_tokens):
+    for r in records:
+      if self.refuse and self.refuse in r.prompt:
+        raise ValueError(f"prompt holds {self.refuse!r}")
+    return None
 
 
 def not_a_task():

@@ -3,7 +3,8 @@
 A record the task cannot handle (a Sudoku solution of 80 cells, a prompt its `seed_canvas` cannot parse) would
 otherwise surface as a traceback from deep inside the task - after minutes of sampling when it is the scoring that
 fails. `check_records` calls the task's hooks on the records first and names the file and line of the first record
-that fails.
+that fails. A reference that parses but is wrong (a Sudoku "solution" that breaks a rule or changes a given) would
+skew every score silently: a task's `reference_scores` (Sudoku: `solved_rate` 1.0) catch it the same way.
 """
 
 from __future__ import annotations
@@ -19,9 +20,22 @@ def check_records(task: Task, examples: Sequence[EvalRecord], sources: Sequence[
                   num_tokens: int) -> None:
   """Scores every reference completion as a prediction of itself (`task.metrics`) and builds every start canvas
   (`task.seed_canvas` with `num_tokens` tokens): one call each over all `examples [n]`; if one fails, each record
-  alone, and a one-line `DataError` names the first failing record's file:line (`sources [n]`) and the error."""
+  alone, and a one-line `DataError` names the first failing record's file:line (`sources [n]`) and the error.
+  When the task gives `reference_scores` and the references together miss them, the first record whose own
+  reference misses them is named the same way."""
+  expected = dict(getattr(task, "reference_scores", None) or {})
+
+  def score(recs: Sequence[EvalRecord]) -> None:
+    got = task.metrics([r.completion for r in recs], recs)
+    missed = {k: got.get(k) for k, v in expected.items() if got.get(k) != v}
+    if missed:
+      got = ", ".join(f"{k}={v}" for k, v in missed.items())
+      want = ", ".join(f"{k}={expected[k]}" for k in missed)
+      raise _WrongReference(f"its reference completion, scored as its own prediction, gives {got}; a correct "
+                            f"reference gives {want}")
+
   hooks: dict[str, Callable[[Sequence[EvalRecord]], Any]] = {
-      "metrics": lambda recs: task.metrics([r.completion for r in recs], recs),
+      "metrics": score,
       "seed_canvas": lambda recs: task.seed_canvas(recs, tokenizer, num_tokens),
   }
   for hook, call in hooks.items():
@@ -33,10 +47,16 @@ def check_records(task: Task, examples: Sequence[EvalRecord], sources: Sequence[
     for example, (file, line) in zip(examples, sources):
       try:
         call([example])
+      except _WrongReference as e:
+        raise DataError(f"{file}:{line}: task {task.name!r} cannot use this record ({e})") from None
       except Exception as e:  # noqa: BLE001 - any error of a task hook on this record is the record's problem
         raise DataError(f"{file}:{line}: task {task.name!r} cannot use this record ({hook}: {type(e).__name__}: "
                         f"{e})") from None
     call(examples)  # fails on the records together only: the task's own error
+
+
+class _WrongReference(ValueError):
+  """A reference that the task scores below its `reference_scores`."""
 
 
 __all__ = ["check_records"]

@@ -17,7 +17,10 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 - `attention_structure()` -> the task's own canvas attention structure as a 'package.module:function' spec for
   `ModelConfig.attention_structure` (None: plain attention), e.g. Sudoku's row/column/box peers.
 
-`primary_metric` names the metric plotted against the denoising-step budget. `BaseTask` gives every optional hook
+`primary_metric` names the metric plotted against the denoising-step budget. `reference_scores` (optional, `{}` if
+absent) are metric values a reference completion must get as its own prediction, e.g. Sudoku's
+`{'solved_rate': 1.0}`: a reference that breaks the rules or changes a given is then an error naming its line,
+not a skewed score. `BaseTask` gives every optional hook
 its default; a task that does not subclass it implements them all. `get_task` builds a task from a built-in name
 (`BUILTIN_TASKS`: 'text', 'digits', 'sudoku') or from 'package.module:factory' (a class or function in any
 importable module), called with the config's task arguments.
@@ -84,6 +87,7 @@ class BaseTask:
 
   name: str = "task"
   primary_metric: str = "exact_match"
+  reference_scores: Mapping[str, float] = types.MappingProxyType({})  # nothing checked beyond `metrics` running
 
   def metrics(self, predictions: Sequence[str], records: Sequence[EvalRecord]) -> dict[str, float]:
     raise NotImplementedError(f"task {self.name!r} defines no metrics()")

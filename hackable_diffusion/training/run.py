@@ -314,8 +314,9 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
   data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
   num = num_examples or cfg.eval.num_examples
   data = eval_loop.load_eval_data(path, dataclasses.replace(data_cfg, pinned_field=None), tokenizer, num)
-  # every record usable by the task before anything is sampled (a one-line error naming file:line)
-  check_records(eval_task(cfg), data.examples, data.records.sources, tokenizer, model_config.canvas_length)
+  # every record usable by every evaluated task before anything is sampled (a one-line error naming file:line)
+  for task in _eval_tasks(cfg):
+    check_records(task, data.examples, data.records.sources, tokenizer, model_config.canvas_length)
   # The data's pins are read only where a task brings no start canvases of its own (Sudoku pins its givens from
   # the prompt): then a file without the pinned field (e.g. a user's own puzzles) needs no --config.data.pinned_field=.
   if data_cfg.pinned_field is None or (
@@ -325,10 +326,15 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
 
 
 def _tasks_seed_canvases(cfg: ExperimentConfig, tokenizer: Tokenizer, example: EvalRecord, num_tokens: int) -> bool:
-  """Whether the evaluation task and every ablation's task give `example` a start canvas of their own
+  """Whether the evaluation task and every ablation task that runs give `example` a start canvas of their own
   (`seed_canvas` not None), so that no run reads the data's pinned tokens."""
-  tasks = [eval_task(cfg)] + [eval_task(cfg, overrides) for overrides in cfg.eval.ablations.values()]
-  return all(task.seed_canvas([example], tokenizer, num_tokens) is not None for task in tasks)
+  return all(task.seed_canvas([example], tokenizer, num_tokens) is not None for task in _eval_tasks(cfg))
+
+
+def _eval_tasks(cfg: ExperimentConfig) -> list[Task]:
+  """The evaluation task, then each ablation's (those that run: `eval.ablation_steps` > 0)."""
+  ablations = cfg.eval.ablations.values() if cfg.eval.ablation_steps else ()
+  return [eval_task(cfg)] + [eval_task(cfg, overrides) for overrides in ablations]
 
 
 def evaluate_model(cfg: ExperimentConfig, model: Any, tokenizer: Tokenizer, data: eval_loop.EvalData, *,

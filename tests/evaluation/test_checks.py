@@ -68,3 +68,36 @@ def test_a_start_canvas_failure_names_the_record_and_a_batch_failure_is_the_task
     check_records(_StartFails(), records, SOURCES, tok, 4)
   with pytest.raises(RuntimeError, match="needs one record at a time"):
     check_records(_FailsTogether(), records[:2], SOURCES, tok, 4)
+
+
+@pytest.mark.parametrize("wrong", [
+    SOLUTION[1] + SOLUTION[0] + SOLUTION[2:],  # two cells swapped: a row keeps its digits, two columns break
+    "1" + SOLUTION[1:],  # the first cell's given 5 changed (and its row, column and box broken)
+])
+def test_a_wrong_reference_solution_is_named(tok, wrong):
+  """A reference that parses (81 digits) but is not a solution of its puzzle: named, not scored."""
+  records = [EvalRecord(PUZZLE, SOLUTION), EvalRecord(PUZZLE, SOLUTION), EvalRecord(PUZZLE, wrong)]
+  with pytest.raises(DataError, match=r"^puzzles.jsonl:3: task 'sudoku' cannot use this record \(its reference "
+                                      r"completion, scored as its own prediction, gives solved_rate=0.0; a correct "
+                                      r"reference gives solved_rate=1.0\)$"):
+    check_records(SudokuTask(), records, SOURCES, tok, 82)
+
+
+def test_a_task_without_reference_scores_accepts_any_reference(tok):
+  """Tasks that do not declare `reference_scores` (a Protocol implementation need not) are only run, not judged."""
+
+  class Scores(BaseTask):
+    name = "scores"
+
+    def metrics(self, predictions, records):
+      return {"exact_match": 0.0}
+
+  class Bare:  # no BaseTask: no reference_scores attribute at all
+    name = "bare"
+    metrics = Scores.metrics
+
+    def seed_canvas(self, records, tokenizer, num_tokens):
+      return None
+
+  for task in (Scores(), Bare()):
+    check_records(task, [EvalRecord("a", "b")] * 3, SOURCES, tok, 4)

@@ -170,3 +170,32 @@ def test_a_record_the_task_cannot_score_fails_when_the_data_are_loaded(tmp_path)
   with pytest.raises(DataError, match=rf"^{mine}:2: task 'sudoku' cannot use this record \(metrics: ValueError: "
                                       r"expected 81 cells.*got 80\)$"):
     run_lib.load_eval_data(cfg, model_config, train_tokenizer(["0123456789"]), paths)
+
+
+def test_a_wrong_reference_or_a_record_an_ablation_cannot_use_fails_when_the_data_are_loaded(tmp_path):
+  """A Sudoku reference that parses but breaks the rules (two cells swapped) is named by its line; so is a record
+  that only an ablation's task cannot use, when the ablations run (`eval.ablation_steps` > 0), and not otherwise."""
+  generated = run_lib.data_paths(_sudoku_data_config(), str(tmp_path / "run"), progress=False)
+  lines = [json.loads(line) for line in open(generated["validation"])]
+  tok = train_tokenizer(["0123456789"])
+
+  def load(lines, **eval_overrides):
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = _sudoku_data_config({"validation_path": str(mine)})
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, split="validation", **eval_overrides))
+    paths = run_lib.data_paths(cfg, str(tmp_path / "run"), progress=False)
+    return run_lib.load_eval_data(cfg, run_lib.build_model_config(cfg, _StandInTokenizer()), tok, paths), mine
+
+  swapped = dict(lines[1], completion=lines[1]["completion"][1] + lines[1]["completion"][0]
+                 + lines[1]["completion"][2:])
+  assert swapped["completion"] != lines[1]["completion"]
+  with pytest.raises(DataError, match=r":2: task 'sudoku' cannot use this record \(its reference completion, "
+                                      r"scored as its own prediction, gives solved_rate=0.0"):
+    load([lines[0], swapped])
+  task = dict(task="custom_components:OneDigitTask", task_args={})
+  ablations = {"strict": {"refuse": lines[1]["prompt"]}}  # the ablation's task refuses the second puzzle
+  assert len(load(lines, **task, ablations=ablations, ablation_steps=0)[0]) == 2
+  with pytest.raises(DataError, match=r"mine.jsonl:2: task 'one_digit' cannot use this record \(seed_canvas: "
+                                      r"ValueError: prompt holds '\d{81}'\)$"):
+    load(lines, **task, ablations=ablations, ablation_steps=8)
