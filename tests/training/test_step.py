@@ -166,7 +166,8 @@ def test_master_weights_cast_each_scanned_layer_where_it_is_used():
     return diffusion_loss(nnx.merge(graphdef, cast_params(p, params), rest), batch, key, loss_config)[0]
 
   ref_loss, ref = jax.jit(jax.value_and_grad(whole_cast))(master)
-  per_layer = jax.jit(make_loss_and_grad(graphdef, loss_config, params))
+  # compiled once: run, and its HLO read below
+  per_layer = jax.jit(make_loss_and_grad(graphdef, loss_config, params)).lower(master, rest, batch, key).compile()
   (loss, _), grads = per_layer(master, rest, batch, key)
   assert float(loss) == float(ref_loss)
   assert jax.tree.structure(grads) == jax.tree.structure(ref)
@@ -174,7 +175,7 @@ def test_master_weights_cast_each_scanned_layer_where_it_is_used():
     assert got.dtype == want.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6 * float(jnp.abs(want).max()))
 
-  hlo = per_layer.lower(master, rest, batch, key).compile().as_text()
+  hlo = per_layer.as_text()
   stacked = {tuple(x.shape) for x in jax.tree.leaves(params["layers"]) if x.ndim >= 3}
   assert stacked and any(f"f32[{','.join(map(str, s))}]" in hlo for s in stacked)  # the master enters the scan
   for shape in stacked:
