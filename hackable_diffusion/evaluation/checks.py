@@ -23,11 +23,13 @@ def check_records(task: Task, examples: Sequence[EvalRecord], sources: Sequence[
   alone, and a one-line `DataError` names the first failing record's file:line (`sources [n]`) and the error.
   When the task gives `reference_scores` and the references together miss them, the first record whose own
   reference misses them is named the same way."""
+  if not examples:  # nothing to check (an evaluation file without records is refused where it is read)
+    return
   expected = dict(getattr(task, "reference_scores", None) or {})
 
   def score(recs: Sequence[EvalRecord]) -> None:
-    got = task.metrics([r.completion for r in recs], recs)
-    missed = {k: got.get(k) for k, v in expected.items() if got.get(k) != v}
+    scores = task.metrics([r.completion for r in recs], recs)
+    missed = {k: scores.get(k) for k, v in expected.items() if scores.get(k) != v}
     if missed:
       got = ", ".join(f"{k}={v}" for k, v in missed.items())
       want = ", ".join(f"{k}={expected[k]}" for k in missed)
