@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     return
   print(f"step {run.step}, task {report['task']}, {report['num_examples']} examples:")
   if report["runs"]:  # the sampler is the run's stored one unless overridden: say which
-    sampling = {k: v for k, v in report["runs"][0]["sampling"].items() if k != "acceptance_args"}
+    sampling = {k: v for k, v in report["runs"][0]["sampling"].items() if v != {}}  # acceptance_args when set
     print("sampler (the run's config.json unless --config.eval.sampling.NAME=VALUE): "
           + "  ".join(f"{k}={v}" for k, v in sampling.items()))
   for line in loop.summary_lines(report):

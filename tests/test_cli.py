@@ -31,6 +31,7 @@ TRAIN_OVERRIDES = [
     f"--config.train.steps={STEPS}", "--config.optimizer.decay_steps=500", "--config.train.checkpoint_every=25",
     "--config.train.log_every=25", "--config.train.eval_at_end=false", "--no_progress",
 ]
+STORED_THRESHOLD = 0.004  # a stricter early stop than tiny.py's 0.005 (the sampled outputs can only get surer)
 EVAL_OVERRIDES = ["--config.eval.num_examples=64", "--config.eval.step_budgets=(2,8)",
                   "--config.eval.early_stopping_steps=8"]
 
@@ -175,7 +176,9 @@ def killed_and_resumed(env, tmp_path_factory):
   workdir = str(tmp / "run")
   # scan_layers: a ModelConfig field tiny.py's model.overrides does not list (its default value: same model)
   args = [sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
-          *TRAIN_OVERRIDES, "--config.model.overrides.scan_layers=false"]
+          *TRAIN_OVERRIDES, "--config.model.overrides.scan_layers=false",
+          # stored in the run's config.json, not tiny.py's 0.005: `evaluate` must print (and use) the stored one
+          f"--config.eval.sampling.confidence_threshold={STORED_THRESHOLD}"]
   proc = subprocess.Popen(args, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     seen = _wait_for_checkpoint(proc, workdir, 50, timeout=240)
@@ -215,8 +218,9 @@ def test_evaluate_and_sample_cli(killed_and_resumed):
   assert res.returncode == 0, res.stderr[-2000:]
   assert "early_stopping" in res.stdout and "exact_match=" in res.stdout
   with open(os.path.join(workdir, "config.json")) as f:
-    threshold = json.load(f)["eval"]["sampling"]["confidence_threshold"]
-  assert f"sampler (the run's config.json" in res.stdout and f"confidence_threshold={threshold}" in res.stdout
+    assert json.load(f)["eval"]["sampling"]["confidence_threshold"] == STORED_THRESHOLD
+  sampler = next(line for line in res.stdout.splitlines() if line.startswith("sampler (the run's config.json"))
+  assert f" confidence_threshold={STORED_THRESHOLD} " in f"{sampler} ", sampler  # the run's, not tiny.py's 0.005
   with open(os.path.join(out, f"report_step_{STEPS}.json")) as f:
     report = json.load(f)
   assert report["step"] == STEPS and report["num_examples"] == 64 and len(report["runs"]) == 3
