@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh
 
@@ -142,4 +143,33 @@ def _env_int(name: str) -> int | None:
     raise ConfigError(f"${name}={value!r}; expected an integer") from None
 
 
-__all__ = ["MESH_AXES", "MeshConfig", "make_mesh", "maybe_initialize_distributed"]
+MESSAGE_BYTES = 2048  # what one process tells the others of its failure (longer messages are cut, marked "...")
+
+
+def first_failure(message: str | None) -> tuple[int, str] | None:
+  """(process index, message) of the lowest-numbered process that failed, or None when none did.
+
+  Each process passes its own failure message (None: it succeeded). In a multi-process job every process must
+  call this at the same point (one all-gather of `MESSAGE_BYTES` bytes per process), so a check that fails on
+  one host stops every host there instead of leaving the others waiting at their next collective. In a single
+  process: the message itself, without communication.
+  """
+  if jax.process_count() == 1:
+    return None if message is None else (0, message)
+  from jax.experimental import multihost_utils  # local: multi-host only
+
+  row = np.zeros(1 + MESSAGE_BYTES, np.uint8)  # [failed flag, utf-8 message padded with zeros]
+  if message is not None:
+    raw = message.encode("utf-8")
+    if len(raw) > MESSAGE_BYTES:
+      raw = raw[:MESSAGE_BYTES - 3].decode("utf-8", errors="ignore").encode("utf-8") + b"..."  # whole characters
+    row[0] = 1
+    row[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(row))  # [processes, 1 + MESSAGE_BYTES]
+  for index, gathered in enumerate(rows):
+    if gathered[0]:
+      return index, bytes(gathered[1:]).rstrip(b"\0").decode("utf-8", errors="replace")
+  return None
+
+
+__all__ = ["MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh", "maybe_initialize_distributed"]

@@ -12,7 +12,8 @@
    left behind by a killed run never blocks: the next run takes it over with a warning. `release()` (the
    trainer's `close()`) deletes the file, so a cleanly finished run leaves no `.lock` behind. A second open
    trainer in the same process is refused too (close the first). Where the file system has no flock (some FUSE
-   or old NFS mounts) the run goes on unlocked with a warning; other processes of a multi-host job take no lock.
+   or old NFS mounts) the run goes on unlocked with a warning; other processes of a multi-host job take no lock,
+   but every process learns of process 0's refusal (below) and stops with it.
 3. Resume compatibility (every process): when `workdir/checkpoints` holds a checkpoint, the resolved config
    about to be written (`cfg.raw`) is compared with the stored `workdir/config.json`. Changes to the sections
    that define the train state's shapes and structure, or what its tokens mean (`REFUSED_SECTIONS`: model,
@@ -25,6 +26,9 @@
 4. config.json (process 0, only after 1-3 passed): when the stored config differs, it is first kept as
    `config.prev.json` (one previous version), then the new one is written atomically. A refused rerun therefore
    leaves every file of the workdir byte for byte as it was.
+
+In a multi-process job the processes agree after 1-2 and again after 3-4 (`sharding.first_failure`): when any of
+them failed, all raise there, the failing one its own error, the others one line naming it.
 
 `warn_if_low_disk` (called by the trainer once the train state's shapes are known, before the first step) warns
 when the workdir's file system has less free space than two checkpoints need, estimated as the bytes of the
@@ -51,6 +55,7 @@ from absl import logging
 
 from hackable_diffusion.errors import ConfigError, DataError, TrainingError
 from hackable_diffusion.files import read_json, write_atomic
+from hackable_diffusion.sharding.mesh import first_failure
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR
 from hackable_diffusion.training.config import ExperimentConfig
@@ -339,24 +344,50 @@ def write_config(raw: Mapping[str, Any], workdir: str) -> str:
   return config_lib.write_config_json(raw, workdir)
 
 
+def _stop_if_any_failed(error: Exception | None, lock: WorkdirLock | None) -> None:
+  """Raises when this process (`error`) or, in a multi-process job, any other failed its checks, after releasing
+  the lock: the failing process its own error, the others one line naming it. Every process calls it at the same
+  point (`sharding.first_failure`), so a refusal on process 0 never leaves the other hosts waiting at their
+  first collective."""
+  failed = first_failure(None if error is None else str(error))
+  if failed is None:
+    return
+  if lock is not None:
+    lock.release()
+  if error is not None:
+    raise error
+  index, message = failed
+  raise TrainingError(f"process {index} of {jax.process_count()} stopped before training: {message}")
+
+
 def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
   """Preflight, lock (process 0), resume check, then config.json (process 0); see the module docstring.
 
   Returns the held lock (None on other processes); the caller releases it when the run ends. Nothing is written
-  into the workdir when a check fails (the lock file is removed again).
+  into the workdir when a check fails (the lock file is removed again). In a multi-process job the processes
+  agree twice, after the preflight and lock and after the resume check and config.json: when one fails, all stop
+  there.
   """
-  check_data_paths(cfg)
-  workdir = check_writable_dir(workdir)
   main = is_main_process()
-  lock = WorkdirLock(workdir).acquire() if main else None
+  lock, error = None, None
+  try:
+    check_data_paths(cfg)
+    workdir = check_writable_dir(workdir)
+    lock = WorkdirLock(workdir).acquire() if main else None
+  except Exception as e:  # noqa: BLE001 - told to the other processes, then raised
+    error = e
+  _stop_if_any_failed(error, lock)
   try:
     check_resume(cfg.raw, workdir)
     if main:
       write_config(cfg.raw, workdir)
+  except Exception as e:  # noqa: BLE001 - as above
+    error = e
   except BaseException:
     if lock is not None:
       lock.release()
     raise
+  _stop_if_any_failed(error, lock)
   return lock
 
 

@@ -1,0 +1,113 @@
+"""A real two-process JAX job on CPU (`jax.distributed` with gloo, one CPU device per process): the `train` CLI run
+as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JAX_PROCESS_ID`, `mesh.data=-1`).
+
+- A workdir locked by another run: process 0 is refused (the lock is its alone) and process 1, which takes no lock,
+  stops at once with one line naming process 0's refusal, instead of running on into its first collective and
+  failing there with a gloo timeout (what it did before `training/workdir.py` made the processes agree).
+- Then, the lock released, the same command trains, checkpoints and finishes on both processes.
+- `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
+  holds, cut and marked), two (the lower process wins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hackable_diffusion.sharding.mesh import MESSAGE_BYTES
+from hackable_diffusion.training import logging as log_lib
+from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.training.workdir import WorkdirLock
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROCESSES = 2
+STEPS = 6
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _job(args: list[str], cwd: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+  """Starts the processes of one job together (same `args`) and waits for all of them."""
+  port = _free_port()
+  procs = []
+  for index in range(PROCESSES):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+               JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(index),
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    procs.append(subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
+  results = []
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      pytest.fail(f"a process of the {PROCESSES}-process job did not end within {timeout} s")
+    results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+  return results
+
+
+def _train_job(workdir: str, cwd: str) -> list[subprocess.CompletedProcess]:
+  return _job([sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
+               "--config.mesh.data=-1", f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={STEPS}",
+               "--config.train.log_every=2", "--config.train.eval_at_end=false", "--no_progress"], cwd)
+
+
+FIRST_FAILURE_SCRIPT = """
+import json, os
+from hackable_diffusion import sharding as sh
+from hackable_diffusion.sharding.mesh import MESSAGE_BYTES
+sh.maybe_initialize_distributed()
+me = int(os.environ["JAX_PROCESS_ID"])
+long = "\u00e9" * MESSAGE_BYTES  # 2 bytes each in utf-8: twice what one process can tell the others
+print(json.dumps([sh.first_failure(None), sh.first_failure(long if me == 1 else None),
+                  sh.first_failure(f"process {me} failed")]))
+"""
+
+
+def test_first_failure_tells_every_process_the_lowest_failing_one(tmp_path):
+  results = _job([sys.executable, "-c", FIRST_FAILURE_SCRIPT], str(tmp_path), timeout=120)
+  cut = "\u00e9" * ((MESSAGE_BYTES - 3) // 2) + "..."  # whole characters only: none is split in two
+  for res in results:
+    assert res.returncode == 0, res.stderr[-3000:]
+    told = json.loads(res.stdout.strip().splitlines()[-1])
+    assert told == [None, [1, cut], [0, "process 0 failed"]]
+
+
+def test_a_refusal_on_process_0_stops_every_process_then_the_job_trains(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with WorkdirLock(str(workdir)):  # another run holds the workdir
+    first, second = _train_job(str(workdir), str(tmp_path))
+  owner = f"is in use by another training run (pid {os.getpid()} on host"
+  for res in (first, second):
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr[-3000:]
+  assert first.stderr.startswith(f"error: workdir {workdir} {owner}"), first.stderr
+  assert second.stderr.startswith(f"error: process 0 of {PROCESSES} stopped before training: workdir {workdir} "
+                                  f"{owner}"), second.stderr
+  assert os.listdir(workdir) == []  # refused before anything was written; the holder's lock file went with it
+
+  results = _train_job(str(workdir), str(tmp_path))
+  for res in results:
+    assert res.returncode == 0, res.stderr[-3000:]
+  done = [next(line for line in res.stdout.splitlines() if line.startswith("done: ")) for res in results]
+  assert done[0].startswith(f"done: {workdir} (loss=")
+  # the loss is the global batch's on both processes (tokens/s and steps/s are each process's own clock)
+  assert done[0].split(", tokens_per_s=")[0] == done[1].split(", tokens_per_s=")[0], done
+  assert run_lib.load_run(str(workdir)).step == STEPS
+  steps = [r["step"] for r in log_lib.read_metrics(str(workdir)) if "train/loss" in r]
+  assert steps == list(range(2, STEPS + 1, 2))  # written once (process 0), no step twice
+  with open(workdir / "config.json") as f:
+    assert json.load(f)["mesh"]["data"] == -1
+  assert not (workdir / ".lock").exists()  # released at the end
