@@ -1,7 +1,8 @@
 """A researcher's own components, defined outside the library and selected in configs by 'module:attribute' spec.
 
 tests/conftest.py puts this directory on `sys.path`, so the specs below import in any pytest import mode:
-- task: 'custom_components:OneDigitTask' (through `hackable_diffusion.tasks.base.get_task`);
+- tasks: 'custom_components:OneDigitTask' (through `hackable_diffusion.tasks.base.get_task`),
+  'custom_components:DigitsMissingOnProcess' (a data generator that fails on one process of a multi-process job);
 - attention structure: 'custom_components:self_only', one over the prompt too (and broken ones) for `ModelConfig.attention_structure`;
 - loss term: 'custom_components:DoubledFlat' for `LossConfig(variant=...)` / `diffusion.loss_variant`.
 """
@@ -14,7 +15,9 @@ import jax
 import numpy as np
 
 from hackable_diffusion.diffusion import loss
+from hackable_diffusion.errors import DataError
 from hackable_diffusion.tasks.base import BaseTask, check_lengths
+from hackable_diffusion.tasks.text import DigitsTask
 
 
 # ---- a task ------------------------------------------------------------------------------------------------------
@@ -42,6 +45,19 @@ class OneDigitTask(BaseTask):
       if self.refuse and self.refuse in r.prompt:
         raise ValueError(f"prompt holds {self.refuse!r}")
     return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DigitsMissingOnProcess(DigitsTask):
+  """The built-in digits task, except that process `process` of a multi-process job cannot make its data (a host
+  that lacks what the others have)."""
+
+  process: int = 1
+
+  def make_data(self, out_dir: str) -> dict[str, str]:
+    if jax.process_index() == self.process:
+      raise DataError(f"{out_dir}: no data on process {self.process} (custom_components.DigitsMissingOnProcess)")
+    return super().make_data(out_dir)
 
 
 def not_a_task():

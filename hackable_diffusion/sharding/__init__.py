@@ -3,7 +3,7 @@
   logical.py  the axis-rules table, logical axes -> `PartitionSpec`, state / batch placement, `constrain`
               (imports nothing else of the project: the model uses it)
   mesh.py     `MeshConfig` (the `mesh` config section), `make_mesh`, `maybe_initialize_distributed`,
-              `first_failure` (every process learns whether any failed a check)
+              `first_failure` / `stop_together` (every process learns whether any failed a check)
   memory.py   per-device bytes of a training state on any mesh shape (`memory_estimate`, `memory_table`)
   local.py    helpers for `jax.shard_map` code that runs on each device's own rows with the weights gathered whole
               (FSDP by hand: the MoE kernels' `model.moe.on_local_tokens`)
@@ -29,7 +29,8 @@ from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, 
                                                  shard_state, state_shardings, variable_axes)
 from hackable_diffusion.sharding.memory import (MemoryEstimate, abstract_state, memory_estimate, memory_table,
                                                 per_device_bytes, per_device_param_bytes)
-from hackable_diffusion.sharding.mesh import MeshConfig, first_failure, make_mesh, maybe_initialize_distributed
+from hackable_diffusion.sharding.mesh import (MeshConfig, first_failure, make_mesh, maybe_initialize_distributed,
+                                              stop_together)
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
@@ -37,5 +38,5 @@ __all__ = [
     "first_failure", "leaves_with_axes", "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed",
     "memory_estimate", "memory_table", "mesh_axis_sizes", "num_batch_shards", "per_device_bytes",
     "per_device_param_bytes", "process_batch_shard", "replicated", "shard_batch", "shard_model", "shard_state",
-    "state_shardings", "variable_axes",
+    "state_shardings", "stop_together", "variable_axes",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh
 
-from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.errors import ConfigError, TrainingError
 from hackable_diffusion.sharding.logical import MESH_AXES
 
 
@@ -172,4 +172,22 @@ def first_failure(message: str | None) -> tuple[int, str] | None:
   return None
 
 
-__all__ = ["MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh", "maybe_initialize_distributed"]
+def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None = None) -> None:
+  """Returns when no process failed; else runs `cleanup` and raises on every process: the failing one its own
+  `error`, the others a one-line `TrainingError` naming it. `error`: this process's failure (None: it succeeded).
+  Every process must call it at the same point (`first_failure`), before any collective that a failed process
+  would never join: a check that fails on one host then stops every host at once instead of leaving the others
+  waiting at their next collective (e.g. orbax's first barrier, or the first training step)."""
+  failed = first_failure(None if error is None else str(error))
+  if failed is None:
+    return
+  if cleanup is not None:
+    cleanup()
+  if error is not None:
+    raise error
+  index, message = failed
+  raise TrainingError(f"process {index} of {jax.process_count()} stopped before training: {message}")
+
+
+__all__ = ["MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh", "maybe_initialize_distributed",
+           "stop_together"]

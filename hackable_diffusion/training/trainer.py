@@ -123,12 +123,20 @@ class SFTTrainer:
 
   def _setup(self, cfg: ExperimentConfig, workdir: str, shard_index: int, shard_count: int, host_batch: int) -> None:
     """The rest of `__init__` (run with the workdir locked): tokenizer, data, model, optimizer, train state."""
-    self.paths = run_lib.data_paths(cfg, workdir, progress=self._progress_enabled)
-    self.tokenizer = run_lib.build_tokenizer(cfg, workdir, self.paths["train"])
-    self.model_config = run_lib.build_model_config(cfg, self.tokenizer)
-    data_cfg = run_lib.sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=host_batch,
-                                       shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=shard_index, shard_count=shard_count)
+    error = None
+    try:  # each process on its own (files, tokenizer, data): no collective yet
+      self.paths = run_lib.data_paths(cfg, workdir, progress=self._progress_enabled)
+      self.tokenizer = run_lib.build_tokenizer(cfg, workdir, self.paths["train"])
+      self.model_config = run_lib.build_model_config(cfg, self.tokenizer)
+      data_cfg = run_lib.sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=host_batch,
+                                         shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+      self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=shard_index, shard_count=shard_count)
+      self._eval_data: eval_loop.EvalData | None = None
+      if cfg.train.eval_at_end or cfg.train.eval_every:
+        self.eval_data()  # a bad evaluation file or record fails now, not after training
+    except Exception as e:  # noqa: BLE001 - told to the other processes, then raised
+      error = e
+    sharding.stop_together(error)  # multi-process: a failure above on any host stops every host here
     self._tokens_scale = shard_count if self.mesh is not None else 1  # tokens/s of the global batch
     self.checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=cfg.train.keep_checkpoints,
                                      async_save=cfg.train.async_checkpointing)
@@ -136,9 +144,6 @@ class SFTTrainer:
     self._save_rest = not (cfg.model.checkpoint and cfg.lora is not None)
     self.seed = cfg.train.seed
     self._data_state: dict[str, Any] | None = None
-    self._eval_data: eval_loop.EvalData | None = None
-    if cfg.train.eval_at_end or cfg.train.eval_every:
-      self.eval_data()  # a bad evaluation file or record fails now, not after training
     # one setup path: shapes -> shardings (None without a mesh) -> restore, load or init
     abstract, trainable = run_lib.build_abstract_model(cfg, self.model_config)
     self.graphdef, model_params, rest = nnx.split(abstract, trainable, ...)

@@ -27,7 +27,7 @@
    `config.prev.json` (one previous version), then the new one is written atomically. A refused rerun therefore
    leaves every file of the workdir byte for byte as it was.
 
-In a multi-process job the processes agree after 1-2 and again after 3-4 (`sharding.first_failure`): when any of
+In a multi-process job the processes agree after 1-2 and again after 3-4 (`sharding.stop_together`): when any of
 them failed, all raise there, the failing one its own error, the others one line naming it.
 
 `warn_if_low_disk` (called by the trainer once the train state's shapes are known, before the first step) warns
@@ -55,7 +55,7 @@ from absl import logging
 
 from hackable_diffusion.errors import ConfigError, DataError, TrainingError
 from hackable_diffusion.files import read_json, write_atomic
-from hackable_diffusion.sharding.mesh import first_failure
+from hackable_diffusion.sharding.mesh import stop_together
 from hackable_diffusion.training import config as config_lib
 from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR
 from hackable_diffusion.training.config import ExperimentConfig
@@ -344,29 +344,13 @@ def write_config(raw: Mapping[str, Any], workdir: str) -> str:
   return config_lib.write_config_json(raw, workdir)
 
 
-def _stop_if_any_failed(error: Exception | None, lock: WorkdirLock | None) -> None:
-  """Raises when this process (`error`) or, in a multi-process job, any other failed its checks, after releasing
-  the lock: the failing process its own error, the others one line naming it. Every process calls it at the same
-  point (`sharding.first_failure`), so a refusal on process 0 never leaves the other hosts waiting at their
-  first collective."""
-  failed = first_failure(None if error is None else str(error))
-  if failed is None:
-    return
-  if lock is not None:
-    lock.release()
-  if error is not None:
-    raise error
-  index, message = failed
-  raise TrainingError(f"process {index} of {jax.process_count()} stopped before training: {message}")
-
-
 def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
   """Preflight, lock (process 0), resume check, then config.json (process 0); see the module docstring.
 
   Returns the held lock (None on other processes); the caller releases it when the run ends. Nothing is written
   into the workdir when a check fails (the lock file is removed again). In a multi-process job the processes
   agree twice, after the preflight and lock and after the resume check and config.json: when one fails, all stop
-  there.
+  there (`sharding.stop_together`).
   """
   main = is_main_process()
   lock, error = None, None
@@ -376,7 +360,7 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
     lock = WorkdirLock(workdir).acquire() if main else None
   except Exception as e:  # noqa: BLE001 - told to the other processes, then raised
     error = e
-  _stop_if_any_failed(error, lock)
+  stop_together(error, cleanup=None if lock is None else lock.release)
   try:
     check_resume(cfg.raw, workdir)
     if main:
@@ -387,7 +371,7 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
     if lock is not None:
       lock.release()
     raise
-  _stop_if_any_failed(error, lock)
+  stop_together(error, cleanup=None if lock is None else lock.release)
   return lock
 
 

@@ -5,6 +5,8 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
   stops at once with one line naming process 0's refusal, instead of running on into its first collective and
   failing there with a gloo timeout (what it did before `training/workdir.py` made the processes agree).
 - Then, the lock released, the same command trains, checkpoints and finishes on both processes.
+- Process 1 cannot make its data (a test task that fails there): process 0, which holds the lock and would have
+  gone on to its first collective, stops with one line naming process 1 and releases the lock.
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
   holds, cut and marked), two (the lower process wins).
 """
@@ -25,6 +27,7 @@ from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training.workdir import WorkdirLock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.join(REPO, "tests")
 PROCESSES = 2
 STEPS = 6
 
@@ -41,8 +44,8 @@ def _job(args: list[str], cwd: str, timeout: float = 240) -> list[subprocess.Com
   procs = []
   for index in range(PROCESSES):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-               JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(index),
-               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+               JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(index),  # tests/: custom_components
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, TESTS, os.environ.get("PYTHONPATH")) if p))
     procs.append(subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))
   results = []
@@ -57,10 +60,24 @@ def _job(args: list[str], cwd: str, timeout: float = 240) -> list[subprocess.Com
   return results
 
 
-def _train_job(workdir: str, cwd: str) -> list[subprocess.CompletedProcess]:
+def _train_job(workdir: str, cwd: str, *more: str) -> list[subprocess.CompletedProcess]:
   return _job([sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
                "--config.mesh.data=-1", f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={STEPS}",
-               "--config.train.log_every=2", "--config.train.eval_at_end=false", "--no_progress"], cwd)
+               "--config.train.log_every=2", "--config.train.eval_at_end=false", "--no_progress", *more], cwd)
+
+
+def test_a_failure_on_process_1_while_setting_up_stops_process_0_too(tmp_path):
+  workdir = tmp_path / "run"
+  first, second = _train_job(str(workdir), str(tmp_path),
+                             "--config.data.generator=custom_components:DigitsMissingOnProcess")
+  for res in (first, second):
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr[-3000:]
+  missing = f"{workdir}/data: no data on process 1 (custom_components.DigitsMissingOnProcess)"
+  assert second.stderr == f"error: {missing}\n", second.stderr
+  assert first.stderr == f"error: process 1 of {PROCESSES} stopped before training: {missing}\n", first.stderr
+  assert (workdir / "config.json").exists() and not (workdir / ".lock").exists()  # process 0 let the workdir go
+  assert not (workdir / "checkpoints").exists()
 
 
 FIRST_FAILURE_SCRIPT = """
