@@ -172,6 +172,15 @@ def first_failure(message: str | None) -> tuple[int, str] | None:
   return None
 
 
+def process_values(value: int) -> list[int]:
+  """Every process's integer `value`, in process order (one all-gather; `[value]` in a single process)."""
+  if jax.process_count() == 1:
+    return [int(value)]
+  from jax.experimental import multihost_utils  # local: multi-host only
+
+  return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value))).reshape(-1)]
+
+
 def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None = None) -> None:
   """Returns when no process failed; else runs `cleanup` and raises on every process: the failing one its own
   `error`, the others a one-line `TrainingError` naming it. `error`: this process's failure (None: it succeeded).
@@ -190,4 +199,4 @@ def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None
 
 
 __all__ = ["MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh", "maybe_initialize_distributed",
-           "stop_together"]
+           "process_values", "stop_together"]

@@ -36,6 +36,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from hackable_diffusion import sharding
 from hackable_diffusion.interop.hf import CheckpointError
 from hackable_diffusion.training.step import TrainState
 
@@ -178,6 +179,19 @@ class Checkpointer:
   # ---- queries ----------------------------------------------------------------------------------------------
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def latest_step_of_every_process(self) -> int | None:
+    """`latest_step()`, checked to be the same on every process of a multi-process job (one all-gather): a
+    workdir that is not on a file system every host shares shows each host other checkpoints, and restoring then
+    fails inside orbax with a message that blames the checkpoint. Raises a one-line `CheckpointError` on every
+    process instead."""
+    latest = self.latest_step()
+    seen = sharding.process_values(-1 if latest is None else latest)
+    if len(set(seen)) > 1:
+      each = ", ".join(f"process {i}: {'none' if s < 0 else f'step {s}'}" for i, s in enumerate(seen))
+      raise CheckpointError(f"{self.directory}: the processes of this job see different checkpoints ({each}); a "
+                            "multi-host run needs its workdir on a file system that every host shares")
+    return latest
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())

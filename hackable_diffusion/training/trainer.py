@@ -156,7 +156,7 @@ class SFTTrainer:
         self.graphdef, cfg, self.mesh, params, rest, self._param_dtypes)
     if is_main_process():
       workdir_lib.warn_if_low_disk(workdir, workdir_lib.state_bytes(abstract_train_state(params, rest, self.tx)))
-    latest = self.checkpointer.latest_step()
+    latest = self.checkpointer.latest_step_of_every_process()
     if latest is not None:
       self.state = self._restore(latest, trainable, params, rest)
     else:

@@ -7,6 +7,9 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
 - Then, the lock released, the same command trains, checkpoints and finishes on both processes.
 - Process 1 cannot make its data (a test task that fails there): process 0, which holds the lock and would have
   gone on to its first collective, stops with one line naming process 1 and releases the lock.
+- A workdir the hosts do not share (a relative `--workdir` in another directory on each process), whose copy on
+  process 0 holds a checkpoint: both stop with one line saying so, before any restore (which used to fail inside
+  orbax with a message that called the checkpoint damaged) and without touching it.
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
   holds, cut and marked), two (the lower process wins).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,11 +42,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _job(args: list[str], cwd: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-  """Starts the processes of one job together (same `args`) and waits for all of them."""
+def _job(args: list[str], cwd: str | list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+  """Starts the processes of one job together (same `args`; one `cwd` or one per process) and waits for all."""
   port = _free_port()
+  cwds = [cwd] * PROCESSES if isinstance(cwd, str) else cwd
   procs = []
-  for index in range(PROCESSES):
+  for index, cwd in enumerate(cwds):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(index),  # tests/: custom_components
                PYTHONPATH=os.pathsep.join(p for p in (REPO, TESTS, os.environ.get("PYTHONPATH")) if p))
@@ -60,7 +65,7 @@ def _job(args: list[str], cwd: str, timeout: float = 240) -> list[subprocess.Com
   return results
 
 
-def _train_job(workdir: str, cwd: str, *more: str) -> list[subprocess.CompletedProcess]:
+def _train_job(workdir: str, cwd: str | list[str], *more: str) -> list[subprocess.CompletedProcess]:
   return _job([sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
                "--config.mesh.data=-1", f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={STEPS}",
                "--config.train.log_every=2", "--config.train.eval_at_end=false", "--no_progress", *more], cwd)
@@ -128,3 +133,18 @@ def test_a_refusal_on_process_0_stops_every_process_then_the_job_trains(tmp_path
   with open(workdir / "config.json") as f:
     assert json.load(f)["mesh"]["data"] == -1
   assert not (workdir / ".lock").exists()  # released at the end
+
+  # a workdir each host sees its own copy of: process 0's holds the checkpoint, process 1's is empty
+  hosts = [tmp_path / "host0", tmp_path / "host1"]
+  for host in hosts:
+    host.mkdir()
+  shutil.copytree(workdir, hosts[0] / "run")
+  before = sorted(os.listdir(hosts[0] / "run" / "checkpoints"))
+  results = _train_job("run", [str(h) for h in hosts])  # the same command again
+  seen = (f"checkpoints: the processes of this job see different checkpoints (process 0: step {STEPS}, process 1: "
+          "none); a multi-host run needs its workdir on a file system that every host shares")
+  for host, res in zip(hosts, results):
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr == f"error: {host / 'run'}/{seen}\n", res.stderr
+  assert sorted(os.listdir(hosts[0] / "run" / "checkpoints")) == before
+  assert run_lib.load_run(str(hosts[0] / "run")).step == STEPS
