@@ -106,7 +106,7 @@ def test_first_failure_tells_every_process_the_lowest_failing_one(tmp_path):
     assert told == [None, [1, cut], [0, "process 0 failed"]]
 
 
-def test_a_refusal_on_process_0_stops_every_process_then_the_job_trains(tmp_path):
+def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_workdir_is_refused(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
   with WorkdirLock(str(workdir)):  # another run holds the workdir
