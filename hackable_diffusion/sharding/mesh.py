@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh
 
-from hackable_diffusion.errors import ConfigError, TrainingError
+from hackable_diffusion.errors import ConfigError, HackableDiffusionError, TrainingError
 from hackable_diffusion.sharding.logical import MESH_AXES
 
 
@@ -186,8 +186,13 @@ def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None
   `error`, the others a one-line `TrainingError` naming it. `error`: this process's failure (None: it succeeded).
   Every process must call it at the same point (`first_failure`), before any collective that a failed process
   would never join: a check that fails on one host then stops every host at once instead of leaving the others
-  waiting at their next collective (e.g. orbax's first barrier, or the first training step)."""
-  failed = first_failure(None if error is None else str(error))
+  waiting at their next collective (e.g. orbax's first barrier, or the first training step). The others' line
+  names the error's type when it is not one of the project's (a bug on that host: its own traceback is there)."""
+  told = None
+  if error is not None:
+    told = str(error) if isinstance(error, HackableDiffusionError) else f"{type(error).__name__}: {error}"
+    told = " ".join(told.splitlines())  # one line on every process
+  failed = first_failure(told)
   if failed is None:
     return
   if cleanup is not None:

@@ -11,7 +11,7 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
   process 0 holds a checkpoint: both stop with one line saying so, before any restore (which used to fail inside
   orbax with a message that called the checkpoint damaged) and without touching it.
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
-  holds, cut and marked), two (the lower process wins).
+  holds, cut and marked), two (the lower process wins); `stop_together` relaying a bug's exception type.
 """
 
 from __future__ import annotations
@@ -92,8 +92,12 @@ from hackable_diffusion.sharding.mesh import MESSAGE_BYTES
 sh.maybe_initialize_distributed()
 me = int(os.environ["JAX_PROCESS_ID"])
 long = "\u00e9" * MESSAGE_BYTES  # 2 bytes each in utf-8: twice what one process can tell the others
-print(json.dumps([sh.first_failure(None), sh.first_failure(long if me == 1 else None),
-                  sh.first_failure(f"process {me} failed")]))
+told = [sh.first_failure(None), sh.first_failure(long if me == 1 else None), sh.first_failure(f"process {me} failed")]
+try:  # a bug (not a project error) with a two-line message on process 1: the others' line names its type
+  sh.stop_together(RuntimeError("no x\\nsecond line") if me == 1 else None)
+except Exception as e:
+  told.append([type(e).__name__, str(e)])
+print(json.dumps(told))
 """
 
 
@@ -103,7 +107,10 @@ def test_first_failure_tells_every_process_the_lowest_failing_one(tmp_path):
   for res in results:
     assert res.returncode == 0, res.stderr[-3000:]
     told = json.loads(res.stdout.strip().splitlines()[-1])
-    assert told == [None, [1, cut], [0, "process 0 failed"]]
+    assert told[:3] == [None, [1, cut], [0, "process 0 failed"]]
+  assert json.loads(results[1].stdout.strip().splitlines()[-1])[3] == ["RuntimeError", "no x\nsecond line"]
+  assert json.loads(results[0].stdout.strip().splitlines()[-1])[3] == [
+      "TrainingError", "process 1 of 2 stopped before training: RuntimeError: no x second line"]
 
 
 def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_workdir_is_refused(tmp_path):
