@@ -102,12 +102,21 @@ class _OrbaxFailureFilter(py_logging.Filter):
 _previous_unraisablehook = sys.unraisablehook
 
 
+def _is_orbax_coroutine(obj: Any) -> bool:
+  code = getattr(obj, "cr_code", None)  # a coroutine object's code
+  return code is not None and code.co_filename.startswith(_ORBAX_DIR)
+
+
 def _ignore_closed_loop_callbacks(unraisable: Any) -> None:
-  """`sys.unraisablehook` that drops `RuntimeError('Event loop is closed')`: when an orbax restore fails (a damaged
-  checkpoint), tensorstore reads still in flight finish later and call back into the restore's asyncio loop, which
-  orbax has closed by then; Python would print each as a traceback around the one-line error."""
+  """`sys.unraisablehook` for the late noise of a failed orbax restore (a damaged checkpoint, another model's
+  shapes), which the Checkpointer has already reported as one line: tensorstore reads still in flight finish later
+  and call back into the restore's asyncio loop, closed by then (`RuntimeError('Event loop is closed')`), and orbax's
+  abandoned read coroutines, when collected, raise their read error instead of exiting (a traceback with the whole
+  TensorStore spec, printed wherever the collection happens: a later cell of a notebook). Anything else is passed on."""
   e = unraisable.exc_value
   if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+    return
+  if _is_orbax_coroutine(getattr(unraisable, "object", None)):
     return
   _previous_unraisablehook(unraisable)
 
