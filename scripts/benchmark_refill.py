@@ -184,7 +184,8 @@ def run_case(workdir: str, examples: int, cap: int = 0, t_max: float = 0.0, t_mi
   data = run_lib.load_eval_data(cfg, model.config, tok, run.paths)
   n = min(examples, len(data)) if examples else len(data)
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model.config.canvas_length
-  sampling = eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling  # the early-stopping run
+  # the early-stopping run, at the prompts' width as the evaluation samples it (no bucket padding)
+  sampling = eval_loop.one_width(eval_loop.eval_runs(cfg.eval, max_new)[-1].sampling)
   sampling = override_sampler(sampling, cap, t_max, t_min, confidence_threshold)
   task = run_lib.eval_task(cfg)
   seeded = task.seed_canvas(data.examples[:n], tok, -(-max_new // model.config.canvas_length)

@@ -185,11 +185,20 @@ def sampler_fields(sampling: SamplingConfig) -> dict[str, Any]:
   return out
 
 
+def one_width(sampling: SamplingConfig) -> SamplingConfig:
+  """`sampling` without prompt-length buckets, as the evaluation samples: its prompts all have one width (the data's
+  `max_prompt_length`), so every call compiles for that width anyway, and a bucket would only add padding to every
+  encoder pass and keys to every decoder step (Sudoku: 81 prompt tokens padded to 128, ~15% of the evaluation's
+  time). Bucketing changes no result (docs/sampling.md, Compilation)."""
+  return sampling.replace(prompt_length_buckets=())
+
+
 def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
                      rng: jax.Array, mesh: Mesh | None = None) -> list[str]:
   """The first example's argmax canvas after every denoising step, decoded (batch 1 - on a mesh padded to its
   batch shards -, the task's sampler hooks). Steps after the row stopped are not repeated: the list has one entry
   per step the sampler took."""
+  sampling = one_width(sampling)
   canvas = sampling.canvas_length or model.config.canvas_length
   rows = batch_rows(1, 1, mesh)
   kwargs: dict[str, Any] = {}
@@ -215,14 +224,15 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   steps actually taken; with early stopping and pins, the examples with the most free cells enter first,
   `longest_first`, so short rows fill the tail); on a mesh, batches of `batch_size` examples are padded to
   `batch_rows(batch_size, n, mesh)` rows (repeating the first row) and split over its batch axes (see the module
-  docstring). Both give the same completions. Start canvases: the task's `seed_canvas` hook (called per batch of
-  `batch_size` examples), else the data's pinned completion tokens (`pinned_field`) with noise drawn per example,
-  else noise from each example's key. With the built-in tasks an example's completion therefore does not depend on
-  `batch_size`.
+  docstring). Both give the same completions, sampled at the prompts' width (`one_width`: no bucket padding).
+  Start canvases: the task's `seed_canvas` hook (called per batch of `batch_size` examples), else the data's pinned
+  completion tokens (`pinned_field`) with noise drawn per example, else noise from each example's key. With the
+  built-in tasks an example's completion therefore does not depend on `batch_size`.
   """
   n = len(data)
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
   width = prompt_ids.shape[1]
+  sampling = one_width(sampling)
   allowed = task.allowed_token_ids(tokenizer)
   per = min(batch_size, n)  # examples per batch: the same batches (and seed canvases) with and without a mesh
   keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(n))  # [n] one key per example
@@ -407,5 +417,5 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "SAMPLER_FIELDS",
-           "ablation_runs", "batch_rows", "eval_runs", "generate_texts", "sampler_fields", "trajectory_texts",
-           "load_eval_data", "plot_report", "run_evaluation", "summary_lines", "write_report"]
+           "ablation_runs", "batch_rows", "eval_runs", "generate_texts", "load_eval_data", "one_width", "plot_report",
+           "run_evaluation", "sampler_fields", "summary_lines", "trajectory_texts", "write_report"]

@@ -296,3 +296,31 @@ def test_sampler_fields_are_strict_json_with_an_infinite_bound():
   fields = loop.sampler_fields(SamplingConfig(entropy_bound=float("inf"), t_min=0.5))
   assert fields["entropy_bound"] == "inf" and fields["t_min"] == 0.5
   assert json.loads(json.dumps(fields, allow_nan=False)) == fields  # what write_report's strict JSON needs
+
+
+def test_the_evaluation_samples_at_the_prompts_width_with_the_bucketed_completions(setup, monkeypatch):
+  """Every prompt of an evaluation has one width, so it samples without bucket padding (`one_width`); the
+  completions are those of bucketed `generate` calls, one example at a time with its own key."""
+  _, tok, model, data = setup
+  from hackable_diffusion.sampling.generate import generate
+
+  early = loop.eval_runs(EvalSection(step_budgets=(2,), early_stopping_steps=4), max_new_tokens=8)[-1].sampling
+  width = data.records.prompt_ids.shape[1]
+  assert early.bucket_prompt_length(width) > width  # the configured sampler would pad these prompts
+  seen = []
+  real = loop.generate_stream
+
+  def spy(model, requests, config, **kwargs):
+    seen.append(config.bucket_prompt_length(kwargs["prompt_length"]))
+    return real(model, requests, config, **kwargs)
+
+  monkeypatch.setattr(loop, "generate_stream", spy)
+  rng = jax.random.key(4)
+  texts, _ = loop.generate_texts(model, tok, data, early, _PinSome(), batch_size=4, rng=rng)
+  assert seen == [width]
+  seeds, pins = _PinSome().seed_canvas(data.examples, tok, 8)
+  for i, text in enumerate(texts):
+    one = generate(model, data.records.prompt_ids[i:i + 1], early, rng=jax.random.fold_in(rng, i)[None],
+                   attention_mask=data.records.prompt_mask[i:i + 1], seed_canvas=seeds[i:i + 1],
+                   pinned=pins[i:i + 1], allowed_token_ids=_PinSome().allowed_token_ids(tok))
+    assert tok.decode(np.asarray(one.sequences)[0, width:]) == text
