@@ -2,7 +2,7 @@
 
 A fixed batch runs until its slowest row stops; with early stopping most rows stop long before. Here the batch is
 `batch_size` *slots*. Prompts are encoded ahead of time, `batch_size` at a time, into a staging KV cache (one
-encoder pass per `batch_size` prompts, the shape `generate` encodes them with). The compiled per-row loop
+encoder pass per `batch_size` prompts, at `prompt_length`: no prompt-length bucket). The compiled per-row loop
 (`sampling.denoise_rows`) runs until a row finishes while another prompt waits (or at most `chunk_steps` steps);
 then the host takes every row that stopped out of its slot: it commits the canvas (EOS / pad as `generate`), then
 either encodes it into the slot's KV cache and starts the row's next canvas, or yields the finished row and copies
@@ -105,6 +105,8 @@ def generate_stream(
     rng: a `jax.random` key; request `i` without its own key uses `fold_in(rng, i)`.
     batch_size: slots (rows per compiled step).
     prompt_length: every prompt is left-padded to it (None: the first prompt's length); a longer one is an error.
+      The stream samples at exactly this width: its shapes never change, so `config.prompt_length_buckets` (which
+      let `generate` calls of many widths share programs) would only add padding, and are not applied.
     chunk_steps: at most this many denoising steps per compiled call (None: no limit). A call also ends after
       the step that finishes a row while a prompt (or the row's next canvas) is waiting, which is then started.
     allowed_token_ids / canvas_attention_mask / acceptance: as `generate` (the same for every row;
@@ -121,6 +123,8 @@ def generate_stream(
   if canvas_attention_mask is not None and np.shape(canvas_attention_mask)[0] != 1:
     raise ValueError(f"canvas_attention_mask has shape {np.shape(canvas_attention_mask)}: generate_stream needs "
                      f"one structure for every row (leading dimension 1)")
+  if config is None or isinstance(config, SamplingConfig):  # anything else: `prepare`'s one-line error
+    config = (config or SamplingConfig()).replace(prompt_length_buckets=())  # one width (bucketing changes no result)
   items = iter(enumerate(map(_as_request, requests)))
   first = next(items, None)
   if first is None:
@@ -252,9 +256,9 @@ class _Runner:
     graphdef, self.state = nnx.split(model)
     self.shared, self.batch = shared, batch
     canvas = shared.canvas_length
-    self.bucket = shared.config.bucket_prompt_length(width)
-    self.cache = _placed_like(self.state, model.init_cache(batch, self.bucket + (shared.num_canvases - 1) * canvas))
-    self.staging = _placed_like(self.state, model.init_cache(batch, self.bucket))  # prompts encoded ahead
+    self.width = width  # every prompt, left-padded (the stream applies no prompt-length bucket)
+    self.cache = _placed_like(self.state, model.init_cache(batch, self.width + (shared.num_canvases - 1) * canvas))
+    self.staging = _placed_like(self.state, model.init_cache(batch, self.width))  # prompts encoded ahead
     self.encode = programs.encode_rows_program(graphdef)
     self.copy = programs.copy_rows_program()
     self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
@@ -268,12 +272,12 @@ class _Runner:
     self.scalars = DenoiseScalars.of(shared.config, 0)
 
   def stage(self, block: list[_Slot]) -> None:
-    """Encodes the prompts of `block` (at most `batch` rows; row `j` = `block[j]`, padded after the tokens to the
-    bucket) into the staging cache, in one encoder pass of the batch's shape."""
+    """Encodes the prompts of `block` (at most `batch` rows; row `j` = `block[j]`, left-padded to the stream's
+    width) into the staging cache, in one encoder pass of the batch's shape."""
     if not block:
       return
-    ids = np.zeros((self.batch, self.bucket), np.int32)
-    mask = np.zeros((self.batch, self.bucket), bool)
+    ids = np.zeros((self.batch, self.width), np.int32)
+    mask = np.zeros((self.batch, self.width), bool)
     lengths = np.zeros(self.batch, np.int32)
     for j, slot in enumerate(block):
       request = slot.request

@@ -106,7 +106,8 @@ def _record(monkeypatch, name):
 
 
 def test_prompts_are_encoded_a_batch_at_a_time(model, prompts, monkeypatch):
-  """One encoder pass per `batch_size` prompts (staged ahead), not one per refill: 7 prompts in 3 slots = 3."""
+  """One encoder pass per `batch_size` prompts (staged ahead), not one per refill: 7 prompts in 3 slots = 3; each
+  at the prompts' own width."""
   recorders = _record(monkeypatch, "encode_rows_program")
   sampling = hd.SamplingConfig(max_new_tokens=model.config.canvas_length, **CONFIG)
   outs = list(generate_stream(model, list(prompts), sampling, rng=jax.random.key(3), batch_size=3))
@@ -114,6 +115,9 @@ def test_prompts_are_encoded_a_batch_at_a_time(model, prompts, monkeypatch):
   (encoder,) = recorders
   assert len(encoder.calls) == 3
   assert [int(np.asarray(args[5]).sum()) for args, _ in encoder.calls] == [3, 3, 1]  # rows encoded per pass
+  # at the prompts' width: the config's prompt-length buckets (16 for these 5 tokens) are not applied
+  assert sampling.bucket_prompt_length(prompts.shape[1]) == 16
+  assert {np.shape(args[2]) for args, _ in encoder.calls} == {(3, prompts.shape[1])}
 
 
 def test_a_chunk_ends_at_the_step_that_finishes_a_row(model, prompts, monkeypatch):
