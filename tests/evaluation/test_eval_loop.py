@@ -299,8 +299,10 @@ def test_sampler_fields_are_strict_json_with_an_infinite_bound():
 
 
 def test_the_evaluation_samples_at_the_prompts_width_with_the_bucketed_completions(setup, monkeypatch):
-  """Every prompt of an evaluation has one width, so it samples without bucket padding (`one_width`); the
-  completions are those of bucketed `generate` calls, one example at a time with its own key."""
+  """Every prompt of an evaluation has one width, so it samples without bucket padding (`one_width`): the mesh
+  path's and the trajectory's `generate` calls get the prompts' width (the stream applies no bucket itself,
+  tests/sampling/test_stream.py); the completions are those of bucketed `generate` calls, one example at a time with
+  its own key."""
   _, tok, model, data = setup
   from hackable_diffusion.sampling.generate import generate
 
@@ -308,16 +310,17 @@ def test_the_evaluation_samples_at_the_prompts_width_with_the_bucketed_completio
   width = data.records.prompt_ids.shape[1]
   assert early.bucket_prompt_length(width) > width  # the configured sampler would pad these prompts
   seen = []
-  real = loop.generate_stream
 
-  def spy(model, requests, config, **kwargs):
-    seen.append(config.bucket_prompt_length(kwargs["prompt_length"]))
-    return real(model, requests, config, **kwargs)
+  def spy(model, ids, config, **kwargs):
+    seen.append(config.bucket_prompt_length(np.shape(ids)[1]))
+    return generate(model, ids, config, **kwargs)
 
-  monkeypatch.setattr(loop, "generate_stream", spy)
+  monkeypatch.setattr(loop, "generate", spy)
   rng = jax.random.key(4)
-  texts, _ = loop.generate_texts(model, tok, data, early, _PinSome(), batch_size=4, rng=rng)
-  assert seen == [width]
+  mesh = jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+  texts, _ = loop.generate_texts(model, tok, data, early, _PinSome(), batch_size=4, rng=rng, mesh=mesh)
+  loop.trajectory_texts(model, tok, data, early, _PinSome(), rng=rng)
+  assert seen == [width, width]  # one batch of 4, then the trajectory
   seeds, pins = _PinSome().seed_canvas(data.examples, tok, 8)
   for i, text in enumerate(texts):
     one = generate(model, data.records.prompt_ids[i:i + 1], early, rng=jax.random.fold_in(rng, i)[None],
