@@ -165,12 +165,23 @@ def workdir_config(workdir: str) -> ml_collections.ConfigDict:
   return config_lib.config_from_json(path)
 
 
-def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[str]], Any] | None = None) -> None:
+def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[str]], Any] | None = None,
+            joins_job: bool = False) -> None:
   """`absl.app.run(main)` with the project's input errors printed as one line (`error: ...`) and exit code 1.
 
   With `--verbose` the traceback follows the line. Errors while parsing the command line (a broken config file,
-  an unknown key) are caught the same way, `--verbose` then read from argv itself.
+  an unknown key) are caught the same way, `--verbose` then read from argv itself. `joins_job`: the CLI joins a
+  multi-process job when the environment configures one (train, evaluate); an input error before it joined is
+  told to the other processes first (`sharding.tell_job_and_leave`), so they stop too.
   """
+
+  def stop(e: BaseException, verbose: bool) -> None:
+    if joins_job and os.environ.get("JAX_COORDINATOR_ADDRESS"):  # a job the environment configures
+      from hackable_diffusion import sharding  # local: imports jax, which a plain error line does not need
+
+      sharding.tell_job_and_leave(e)
+    fail(e, verbose=verbose)
+
   if VERBOSE_FLAG in flags.FLAGS:  # listed by the CLI's --help
     flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[VERBOSE_FLAG])
 
@@ -180,13 +191,13 @@ def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[st
     try:
       return main(argv)
     except USER_ERRORS as e:
-      fail(e, verbose=verbose_requested())
+      stop(e, verbose_requested())
 
   def parser(argv):
     try:
       return flags_parser(argv) if flags_parser else _default_parse(argv)
     except USER_ERRORS as e:
-      fail(e, verbose=verbose_requested(argv))
+      stop(e, verbose_requested(argv))
     except SystemExit:
       if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
         sys.exit(0)  # absl exits with 1 after printing help; asking for help is not an error

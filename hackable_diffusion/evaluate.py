@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  cli.run_cli(main, flags_parser=cli.make_flags_parser(workdir_default=True))
+  cli.run_cli(main, flags_parser=cli.make_flags_parser(workdir_default=True), joins_job=True)
 
 
 if __name__ == "__main__":

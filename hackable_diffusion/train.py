@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-  cli.run_cli(main, flags_parser=cli.make_flags_parser())
+  cli.run_cli(main, flags_parser=cli.make_flags_parser(), joins_job=True)
 
 
 if __name__ == "__main__":

@@ -30,14 +30,15 @@ from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, 
                                                  shard_state, state_shardings, variable_axes)
 from hackable_diffusion.sharding.memory import (MemoryEstimate, abstract_state, memory_estimate, memory_table,
                                                 per_device_bytes, per_device_param_bytes)
-from hackable_diffusion.sharding.mesh import (MeshConfig, first_failure, make_mesh, maybe_initialize_distributed,
-                                              process_values, stop_together)
+from hackable_diffusion.sharding.mesh import (JOINED, MeshConfig, first_failure, make_mesh,
+                                              maybe_initialize_distributed, process_values, stop_together,
+                                              tell_job_and_leave)
 
 __all__ = [
-    "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
+    "JOINED", "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
     "abstract_with_shardings", "activation_sharding", "active_mesh", "active_rules", "batch_sharding", "constrain",
     "first_failure", "leaves_with_axes", "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed",
     "memory_estimate", "memory_table", "mesh_axis_sizes", "num_batch_shards", "per_device_bytes",
     "per_device_param_bytes", "process_batch_shard", "process_values", "replicated", "shard_batch", "shard_model",
-    "shard_state", "state_shardings", "stop_together", "variable_axes",
+    "shard_state", "state_shardings", "stop_together", "tell_job_and_leave", "variable_axes",
 ]

@@ -181,13 +181,15 @@ def process_values(value: int) -> list[int]:
   return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value))).reshape(-1)]
 
 
-def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None = None) -> None:
+def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None = None,
+                  before: str = "training") -> None:
   """Returns when no process failed; else runs `cleanup` and raises on every process: the failing one its own
   `error`, the others a one-line `TrainingError` naming it. `error`: this process's failure (None: it succeeded).
   Every process must call it at the same point (`first_failure`), before any collective that a failed process
   would never join: a check that fails on one host then stops every host at once instead of leaving the others
   waiting at their next collective (e.g. orbax's first barrier, or the first training step). The others' line
-  names the error's type when it is not one of the project's (a bug on that host: its own traceback is there)."""
+  names the error's type when it is not one of the project's (a bug on that host: its own traceback is there);
+  `before`: what the failure came before, in that line ("process 1 of 2 stopped before training: ...")."""
   told = None
   if error is not None:
     told = str(error) if isinstance(error, HackableDiffusionError) else f"{type(error).__name__}: {error}"
@@ -200,8 +202,28 @@ def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None
   if error is not None:
     raise error
   index, message = failed
-  raise TrainingError(f"process {index} of {jax.process_count()} stopped before training: {message}")
+  raise TrainingError(f"process {index} of {jax.process_count()} stopped before {before}: {message}")
 
 
-__all__ = ["MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh", "maybe_initialize_distributed",
-           "process_values", "stop_together"]
+JOINED = "the job started"  # `stop_together(before=JOINED)`: the agreement point right after joining (`make_run_mesh`)
+
+
+def tell_job_and_leave(error: Exception) -> None:
+  """For a process that fails before it joined its multi-process job (a command line or file that only this host
+  gets wrong): joins the job the environment configures (`$JAX_COORDINATOR_ADDRESS`, ...), if any, and tells the
+  other processes at their first agreement point (`stop_together(None, before=JOINED)`, right after they join), so
+  they stop at once with a line naming this process instead of waiting in `jax.distributed.initialize` until its
+  timeout aborts them (5 minutes, a C++ check failure). Nothing when no job is configured, or when this process had
+  already joined (its failure then belongs to the collective it is at)."""
+  if jax.distributed.is_initialized():
+    return
+  try:
+    if not maybe_initialize_distributed():
+      return
+    stop_together(error, before=JOINED)
+  except Exception:  # noqa: BLE001 - its own `error` back, or a job it cannot join: the caller reports `error`
+    return
+
+
+__all__ = ["JOINED", "MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh",
+           "maybe_initialize_distributed", "process_values", "stop_together", "tell_job_and_leave"]

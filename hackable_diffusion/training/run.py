@@ -225,10 +225,14 @@ def make_run_mesh(cfg: ExperimentConfig) -> Mesh | None:
   """The run's device mesh, or None for the plain one-device path (the `mesh` section all 1, single process).
 
   Joins a multi-host job first when one is configured (`mesh.coordinator_address` / `$JAX_COORDINATOR_ADDRESS`
-  or `mesh.auto_distributed`), so call it before any other JAX call of the process.
+  or `mesh.auto_distributed`), so call it before any other JAX call of the process. Once joined, the processes
+  agree that every one of them started (`sharding.stop_together(before=JOINED)`): a process whose command line or
+  files failed before it joined comes in to say so (`sharding.tell_job_and_leave`), and all stop here.
   """
   try:
     distributed = sharding.maybe_initialize_distributed(cfg.mesh)
+    if distributed:
+      sharding.stop_together(None, before=sharding.JOINED)
     if not (config_lib.mesh_requested(cfg.mesh) or distributed):
       return None
     return sharding.make_mesh(cfg.mesh)

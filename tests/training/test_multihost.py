@@ -10,6 +10,8 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
 - A workdir the hosts do not share (a relative `--workdir` in another directory on each process), whose copy on
   process 0 holds a checkpoint: both stop with one line saying so, before any restore (which used to fail inside
   orbax with a message that called the checkpoint damaged) and without touching it.
+- Evaluating that workdir: process 1 finds no config.json while parsing its flags, joins the job to say so, and
+  process 0 stops at once (`sharding.tell_job_and_leave`; it used to wait out the 5-minute initialization timeout).
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
   holds, cut and marked), two (the lower process wins); `stop_together` relaying a bug's exception type.
 """
@@ -155,3 +157,18 @@ def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_
     assert res.stderr == f"error: {host / 'run'}/{seen}\n", res.stderr
   assert sorted(os.listdir(hosts[0] / "run" / "checkpoints")) == before
   assert run_lib.load_run(str(hosts[0] / "run")).step == STEPS
+
+  # evaluating it there: process 1 has no config.json, so it fails while parsing its flags, before it joins the job.
+  # It joins to say so and process 0 stops at once (it used to wait in jax.distributed.initialize until the
+  # 5-minute timeout aborted it with a C++ check failure), before restoring anything.
+  if (hosts[1] / "run" / "config.json").exists():
+    os.remove(hosts[1] / "run" / "config.json")
+  results = _job([sys.executable, "-m", "hackable_diffusion.evaluate", "--workdir=run", "--out=report"],
+                 [str(h) for h in hosts], timeout=120)
+  missing = ("run/config.json: no such file; pass --config=FILE or a --workdir written by "
+             "hackable_diffusion.train")
+  assert [r.returncode for r in results] == [1, 1], [r.stderr[-3000:] for r in results]
+  assert results[1].stderr == f"error: {missing}\n", results[1].stderr
+  stopped = f"error: process 1 of {PROCESSES} stopped before the job started: {missing}\n"
+  assert results[0].stderr == stopped, results[0].stderr
+  assert not list((hosts[0] / "report").glob("*"))  # nothing evaluated (the directory is checked writable first)
