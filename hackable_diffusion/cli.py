@@ -176,11 +176,15 @@ def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[st
   """
 
   def stop(e: BaseException, verbose: bool) -> None:
-    if joins_job and os.environ.get("JAX_COORDINATOR_ADDRESS"):  # a job the environment configures
-      from hackable_diffusion import sharding  # local: imports jax, which a plain error line does not need
+    if not (joins_job and os.environ.get("JAX_COORDINATOR_ADDRESS")):  # no job the environment configures
+      fail(e, verbose=verbose)
+    # the line first: joining waits for every process of the job, and one that was never started means a wait
+    # until JAX's initialization timeout aborts this process too
+    fail(e, verbose=verbose, exit_=False)
+    from hackable_diffusion import sharding  # local: imports jax, which a plain error line does not need
 
-      sharding.tell_job_and_leave(e)
-    fail(e, verbose=verbose)
+    sharding.tell_job_and_leave(e)
+    sys.exit(1)
 
   if VERBOSE_FLAG in flags.FLAGS:  # listed by the CLI's --help
     flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[VERBOSE_FLAG])
@@ -240,13 +244,15 @@ def error_line(e: BaseException) -> str:
   return f"error: {msg}"
 
 
-def fail(e: BaseException, *, verbose: bool = False) -> None:
-  """Prints `error_line(e)` (then, if `verbose`, the traceback) to stderr and exits with code 1."""
+def fail(e: BaseException, *, verbose: bool = False, exit_: bool = True) -> None:
+  """Prints `error_line(e)` (then, if `verbose`, the traceback) to stderr and exits with code 1 (`exit_=False`:
+  returns after printing)."""
   sys.stderr.write(error_line(e) + "\n")
   if verbose:
     sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
   sys.stderr.flush()
-  sys.exit(1)
+  if exit_:
+    sys.exit(1)
 
 
 CONFIG_HELP = "Experiment config file (configs/*.py); override any key with --config.section.key=value."

@@ -102,13 +102,14 @@ def make_mesh(cfg: MeshConfig | None = None, *, devices: Sequence[Any] | None = 
                        devices=devices)
 
 
-def maybe_initialize_distributed(cfg: MeshConfig | None = None) -> bool:
+def maybe_initialize_distributed(cfg: MeshConfig | None = None, *, timeout_s: int = 300) -> bool:
   """Joins a multi-process JAX job when one is configured; returns True when running distributed.
 
   Must run before any other JAX call in the process (JAX's rule). Configured means: `cfg.auto_distributed`
   (JAX detects TPU pods / SLURM / Open MPI), or a coordinator address in `cfg` or `$JAX_COORDINATOR_ADDRESS`
   (then `num_processes` / `process_id` come from `cfg` or `$JAX_NUM_PROCESSES` / `$JAX_PROCESS_ID`).
-  Otherwise nothing happens (single process). Calling it again is a no-op.
+  Otherwise nothing happens (single process). Calling it again is a no-op. `timeout_s`: how long to wait for every
+  process to join (JAX's `initialization_timeout`; past it JAX aborts the process).
   """
   if jax.distributed.is_initialized():
     return True
@@ -127,7 +128,8 @@ def maybe_initialize_distributed(cfg: MeshConfig | None = None) -> bool:
                       f"$JAX_{missing.upper()}); every process needs both")
   if num is not None and pid is not None and not 0 <= pid < num:
     raise ConfigError(f"mesh.process_id={pid} is outside [0, num_processes={num})")
-  jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+  jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                             initialization_timeout=timeout_s)
   logging.info("joined distributed JAX job: process %d of %d, %d local / %d global devices", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   return True
@@ -208,17 +210,21 @@ def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None
 JOINED = "the job started"  # `stop_together(before=JOINED)`: the agreement point right after joining (`make_run_mesh`)
 
 
+TELL_TIMEOUT_S = 60  # how long a failed process waits for the others to join before JAX aborts it
+
+
 def tell_job_and_leave(error: Exception) -> None:
   """For a process that fails before it joined its multi-process job (a command line or file that only this host
   gets wrong): joins the job the environment configures (`$JAX_COORDINATOR_ADDRESS`, ...), if any, and tells the
   other processes at their first agreement point (`stop_together(None, before=JOINED)`, right after they join), so
   they stop at once with a line naming this process instead of waiting in `jax.distributed.initialize` until its
-  timeout aborts them (5 minutes, a C++ check failure). Nothing when no job is configured, or when this process had
+  timeout aborts them (5 minutes, a C++ check failure). It waits at most `TELL_TIMEOUT_S` for them to join (then
+  JAX aborts it: processes that never started). Nothing when no job is configured, or when this process had
   already joined (its failure then belongs to the collective it is at)."""
   if jax.distributed.is_initialized():
     return
   try:
-    if not maybe_initialize_distributed():
+    if not maybe_initialize_distributed(timeout_s=TELL_TIMEOUT_S):
       return
     stop_together(error, before=JOINED)
   except Exception:  # noqa: BLE001 - its own `error` back, or a job it cannot join: the caller reports `error`

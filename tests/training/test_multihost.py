@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -172,3 +173,22 @@ def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_
   stopped = f"error: process 1 of {PROCESSES} stopped before the job started: {missing}\n"
   assert results[0].stderr == stopped, results[0].stderr
   assert not list((hosts[0] / "report").glob("*"))  # nothing evaluated (the directory is checked writable first)
+
+
+def test_a_failing_process_prints_its_line_before_it_waits_for_the_job(tmp_path):
+  """A process that fails before joining prints its one line first, then joins to tell the others: when they were
+  never started, the join waits (until JAX's timeout), and the user has the line meanwhile."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}",
+             JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID="1")  # process 0 never starts
+  proc = subprocess.Popen([sys.executable, "-m", "hackable_diffusion.evaluate", "--workdir=run"], env=env,
+                          cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.append(proc.stderr.readline()), daemon=True)
+  reader.start()
+  reader.join(timeout=60)
+  still_waiting = proc.poll() is None
+  proc.kill()
+  proc.wait()
+  assert lines == ["error: run/config.json: no such file; pass --config=FILE or a --workdir written by "
+                   "hackable_diffusion.train\n"]
+  assert still_waiting  # it went on to join the job (and would tell process 0, had that started)
