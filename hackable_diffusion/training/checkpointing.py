@@ -16,7 +16,8 @@ Failed saves are errors, never hangs or silent losses. A save that fails (ENOSPC
 part fails, else from the first `check()` (non-blocking, called by the trainer every step), `wait()`, `save()` or
 `close()` after the background write failed. Older checkpoints are only deleted (`max_to_keep`) once a newer save
 has completed, so the last complete checkpoint survives a failed save and stays restorable. Once the error has
-been raised, `close()` releases orbax's resources without raising it again, and orbax's own tracebacks of that
+been raised, `close()` waits for the failed save's abandoned writer threads (bounded; a rerun in the same process
+must not race them) and releases orbax's resources without raising it again, and orbax's own tracebacks of that
 failure (logged from its background threads) are dropped unless absl logs at INFO (`-v 0`): the one line says it.
 """
 
@@ -28,6 +29,8 @@ import os
 import re
 import shutil
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -80,6 +83,9 @@ def one_line_error(e: BaseException) -> str:
 _ORBAX_DIR = os.path.dirname(ocp.__file__)
 TRASH_DIR = "deleted"  # checkpoints/deleted/: old steps on their way out (never a step: not a number)
 _QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
+# After a failed save, orbax abandons the save's other writes; its writer threads may still be writing into the
+# step's temporary directory. close() waits this long for them, at most (they finish within milliseconds).
+ABANDONED_WRITES_WAIT_S = 30.0
 
 
 class _OrbaxFailureFilter(py_logging.Filter):
@@ -359,12 +365,26 @@ class Checkpointer:
       if self._failed is None:
         self.wait()
     finally:
+      if self._failed is not None:
+        self._join_abandoned_writes()
       self._close_manager()
       self._closed = True
       if self._failed is None and not self._restore_failed:  # after a failure the filter stays: orbax's and
         # asyncio's late noise of it (reads/writes still in flight, 'Future exception was never retrieved') is dropped
         for name in _QUIET_LOGGERS:
           py_logging.getLogger(name).removeFilter(self._log_filter)
+
+  def _join_abandoned_writes(self) -> None:
+    """Waits (at most `ABANDONED_WRITES_WAIT_S` in all) for orbax's writer threads still running after a failed
+    save. Left running, one may write into the failed step's temporary directory after a rerun in this process
+    has cleaned it, and that rerun's save of the same step fails ('Directory not empty')."""
+    deadline = time.monotonic() + ABANDONED_WRITES_WAIT_S
+    for thread in threading.enumerate():
+      if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
+        try:
+          thread.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - orbax's threads re-raise their write's error: the save's, already raised
+          pass
 
   def _close_manager(self) -> None:
     # After a failed save, orbax re-raises stored background errors (once per error and thread) from inside

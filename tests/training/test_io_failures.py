@@ -10,6 +10,7 @@ mount one (root, Linux) and is skipped elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import errno
 import json
@@ -335,13 +336,31 @@ def _config(**overrides):
   return config_lib.load_config_file("tiny.py", {**RUN, **overrides})
 
 
+def _files_under(root: str) -> list[str]:
+  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
 def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
   """The disk fills after the checkpoint of step 10 (keep_checkpoints=1): the run stops with one line within
   seconds, checkpoint 10 is intact and restorable, metrics.jsonl is valid, and a rerun (disk freed) resumes from it
-  and finishes."""
+  and finishes. Orbax's writer of the failed save's sharding files is slowed down (it used to finish only after
+  the error, and a rerun in the same process raced it: 'Directory not empty'): nothing is written once the error
+  is raised."""
+  from orbax.checkpoint._src.serialization import jax_array_handlers  # fault injection into orbax's own writer
+
   workdir = str(tmp_path / "run")
   disk = DiskFull(monkeypatch, workdir)
   real_save = checkpointing.Checkpointer.save
+  real_shardings = jax_array_handlers._async_serialize_shardings
+  slow_writes = []
+
+  async def slow_shardings(*args, **kwargs):
+    if disk.armed_at is not None:
+      slow_writes.append(time.monotonic())
+      await asyncio.sleep(1.0)
+    return await real_shardings(*args, **kwargs)
+
+  monkeypatch.setattr(jax_array_handlers, "_async_serialize_shardings", slow_shardings)
 
   def save(self, step, *args, **kwargs):
     if step > 10 and disk.armed_at is None:
@@ -355,6 +374,10 @@ def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
   assert time.monotonic() - disk.armed_at < DEADLINE_S
   msg = _one_line(err.value)
   ckpt_dir = os.path.join(workdir, "checkpoints")
+  files = _files_under(ckpt_dir)
+  assert slow_writes, "the failed save started no sharding writer: the injection no longer reaches orbax"
+  time.sleep(1.5)
+  assert _files_under(ckpt_dir) == files  # the failed save's writers had finished when the error was raised
   assert f"{ckpt_dir}/20: cannot write this checkpoint" in msg and f"checkpoint {ckpt_dir}/10 is kept" in msg
   assert checkpointing.Checkpointer(ckpt_dir, read_only=True).complete_steps() == [10]
   assert run_lib.load_run(workdir).step == 10
