@@ -38,6 +38,7 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--workdir is required (a directory written by hackable_diffusion.train)")
   if not os.path.isdir(_WORKDIR.value):
     raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
+  from hackable_diffusion import sharding
   from hackable_diffusion.evaluation import loop
   from hackable_diffusion.training import run as run_lib
   from hackable_diffusion.training import workdir as workdir_lib
@@ -52,7 +53,9 @@ def main(argv: list[str]) -> None:
   # sampled there, never whole on one device; none (the default section): one device
   mesh = run_lib.make_run_mesh(cfg)
   run = run_lib.load_run(_WORKDIR.value, cfg, _STEP.value, mesh=mesh)
-  data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
+  # multi-process: an evaluation file one host cannot read stops every host before sampling
+  data = sharding.agree_on(lambda: run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths),
+                           together=mesh is not None, before="evaluating")
   report = run_lib.evaluate_model(run.config, run.model, run.tokenizer, data, step=run.step,
                                   out_dir=out_dir if is_main_process() else None, mesh=mesh)
   if not is_main_process():

@@ -3,7 +3,7 @@
   logical.py  the axis-rules table, logical axes -> `PartitionSpec`, state / batch placement, `constrain`
               (imports nothing else of the project: the model uses it)
   mesh.py     `MeshConfig` (the `mesh` config section), `make_mesh`, `maybe_initialize_distributed`,
-              `first_failure` / `stop_together` (every process learns whether any failed a check),
+              `first_failure` / `stop_together` / `agree_on` (every process learns whether any failed a check),
               `process_values`
   memory.py   per-device bytes of a training state on any mesh shape (`memory_estimate`, `memory_table`)
   local.py    helpers for `jax.shard_map` code that runs on each device's own rows with the weights gathered whole
@@ -30,15 +30,15 @@ from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, 
                                                  shard_state, state_shardings, variable_axes)
 from hackable_diffusion.sharding.memory import (MemoryEstimate, abstract_state, memory_estimate, memory_table,
                                                 per_device_bytes, per_device_param_bytes)
-from hackable_diffusion.sharding.mesh import (JOINED, MeshConfig, first_failure, make_mesh,
+from hackable_diffusion.sharding.mesh import (JOINED, MeshConfig, agree_on, first_failure, make_mesh,
                                               maybe_initialize_distributed, process_values, stop_together,
                                               tell_job_and_leave)
 
 __all__ = [
     "JOINED", "LOGICAL_AXIS_RULES", "MESH_AXES", "MemoryEstimate", "MeshConfig", "MeshLike", "Rules", "abstract_state",
-    "abstract_with_shardings", "activation_sharding", "active_mesh", "active_rules", "batch_sharding", "constrain",
-    "first_failure", "leaves_with_axes", "logical_to_mesh_spec", "make_mesh", "maybe_initialize_distributed",
-    "memory_estimate", "memory_table", "mesh_axis_sizes", "num_batch_shards", "per_device_bytes",
-    "per_device_param_bytes", "process_batch_shard", "process_values", "replicated", "shard_batch", "shard_model",
-    "shard_state", "state_shardings", "stop_together", "tell_job_and_leave", "variable_axes",
+    "abstract_with_shardings", "activation_sharding", "active_mesh", "active_rules", "agree_on", "batch_sharding",
+    "constrain", "first_failure", "leaves_with_axes", "logical_to_mesh_spec", "make_mesh",
+    "maybe_initialize_distributed", "memory_estimate", "memory_table", "mesh_axis_sizes", "num_batch_shards",
+    "per_device_bytes", "per_device_param_bytes", "process_batch_shard", "process_values", "replicated", "shard_batch",
+    "shard_model", "shard_state", "state_shardings", "stop_together", "tell_job_and_leave", "variable_axes",
 ]

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -24,6 +24,8 @@ from jax.sharding import AxisType, Mesh
 
 from hackable_diffusion.errors import ConfigError, HackableDiffusionError, TrainingError
 from hackable_diffusion.sharding.logical import MESH_AXES
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,6 +209,22 @@ def stop_together(error: Exception | None, *, cleanup: Callable[[], None] | None
   raise TrainingError(f"process {index} of {jax.process_count()} stopped before {before}: {message}")
 
 
+def agree_on(work: Callable[[], T], *, together: bool, before: str) -> T:
+  """`work()` (each process on its own: files, no collective), then, when `together` (a run on a mesh, possibly
+  one of several processes), the agreement point of `stop_together`: a failure on any process raises on every
+  process here, before the collectives that follow (`before` names them in the others' line). Not `together`
+  (one device, or a caller outside any job): `work()` alone, its error raised as it is."""
+  if not together:
+    return work()
+  try:
+    out = work()
+  except Exception as e:  # noqa: BLE001 - told to the other processes, then raised
+    stop_together(e, before=before)  # raises `e` here (and a line naming this process on the others)
+    raise
+  stop_together(None, before=before)
+  return out
+
+
 JOINED = "the job started"  # `stop_together(before=JOINED)`: the agreement point right after joining (`make_run_mesh`)
 
 
@@ -231,5 +249,5 @@ def tell_job_and_leave(error: Exception) -> None:
     return
 
 
-__all__ = ["JOINED", "MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "first_failure", "make_mesh",
+__all__ = ["JOINED", "MESH_AXES", "MESSAGE_BYTES", "MeshConfig", "agree_on", "first_failure", "make_mesh",
            "maybe_initialize_distributed", "process_values", "stop_together", "tell_job_and_leave"]

@@ -149,6 +149,32 @@ def abstract_like(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+def steps_on_disk(directory: str) -> list[int]:
+  """The steps whose directory is in `directory` under its final name (a save in progress or failed is not)."""
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def step_to_restore(directory: str, step: int | None) -> int:
+  """The checkpoint step a restore of `step` (None: the latest) reads, from the directory listing alone: no orbax
+  (opening its manager is a collective of every process of a job), so each process can check its own file system
+  before the processes agree. A one-line `CheckpointError` when the directory or the step is not there."""
+  directory = os.path.abspath(directory)  # named as `Checkpointer` names it
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"{directory}: no checkpoint directory (has this workdir been trained?)")
+  steps = steps_on_disk(directory)
+  if step is None:
+    if not steps:
+      raise CheckpointError(f"{directory}: no checkpoint found")
+    return steps[-1]
+  if step not in steps:
+    raise CheckpointError(f"{directory}: no checkpoint at step {step}; available steps: {steps}")
+  return step
+
+
 class Checkpointer:
   """A thin wrapper over `orbax.checkpoint.CheckpointManager` for `TrainState` + JSON metadata.
 
@@ -200,13 +226,17 @@ class Checkpointer:
     workdir that is not on a file system every host shares shows each host other checkpoints, and restoring then
     fails inside orbax with a message that blames the checkpoint. Raises a one-line `CheckpointError` on every
     process instead."""
-    latest = self.latest_step()
-    seen = sharding.process_values(-1 if latest is None else latest)
+    return self.same_step_on_every_process(self.latest_step())
+
+  def same_step_on_every_process(self, step: int | None) -> int | None:
+    """`step` (this process's choice of checkpoint, None: none), checked to be every process's (one all-gather;
+    see `latest_step_of_every_process`)."""
+    seen = sharding.process_values(-1 if step is None else step)
     if len(set(seen)) > 1:
       each = ", ".join(f"process {i}: {'none' if s < 0 else f'step {s}'}" for i, s in enumerate(seen))
       raise CheckpointError(f"{self.directory}: the processes of this job see different checkpoints ({each}); a "
                             "multi-host run needs its workdir on a file system that every host shares")
-    return latest
+    return step
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -262,11 +292,7 @@ class Checkpointer:
 
   def complete_steps(self) -> list[int]:
     """The steps whose directory is on disk under its final name (a save still in progress or failed is not)."""
-    try:
-      names = os.listdir(self.directory)
-    except OSError:
-      return []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+    return steps_on_disk(self.directory)
 
   def _save_failed(self, step: int | None, e: BaseException) -> CheckpointError:
     """Records a failed save of `step` and returns its one-line error (naming the last complete checkpoint)."""
@@ -406,4 +432,4 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error"]
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error", "step_to_restore", "steps_on_disk"]

@@ -40,7 +40,7 @@ from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import EvalRecord, Task, get_task
 from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
+from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer, step_to_restore
 from hackable_diffusion.training.config import ExperimentConfig
 from hackable_diffusion.training.logging import is_main_process
 
@@ -386,16 +386,26 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
 
   `mesh` (e.g. `make_run_mesh(cfg)`, the run's own mesh): every variable is restored straight into its shards by
   the logical-axis rules, as training holds it (whatever mesh wrote the checkpoint); None: whole on one device.
+  With a mesh the processes of a multi-process job agree after reading the run's files (`sharding.agree_on`): a
+  file one host lacks (its copy of the workdir, a checkpoint step) stops every host before the restore's collectives.
   """
-  if not os.path.isdir(workdir):
-    raise CheckpointError(f"{workdir}: no such workdir")
-  if config is None:
-    config = config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME))
-  cfg = as_experiment_config(config)
-  tokenizer = load_run_tokenizer(workdir)
-  model_config = build_model_config(cfg, tokenizer)
-  ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True)
+
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+
+  def read() -> tuple[ExperimentConfig, Tokenizer, ModelConfig, int]:
+    if not os.path.isdir(workdir):
+      raise CheckpointError(f"{workdir}: no such workdir")
+    cfg = as_experiment_config(config if config is not None else
+                               config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME)))
+    tokenizer = load_run_tokenizer(workdir)
+    return cfg, tokenizer, build_model_config(cfg, tokenizer), step_to_restore(ckpt_dir, step)
+
+  cfg, tokenizer, model_config, step = sharding.agree_on(read, together=mesh is not None,
+                                                         before="restoring the checkpoint")
+  ckpt = Checkpointer(ckpt_dir, read_only=True)  # with several processes, opening it is a collective (orbax)
   try:
+    if mesh is not None:  # each host picked its latest step: the same one on every host, or a one-line error
+      ckpt.same_step_on_every_process(step)
     meta = ckpt.restore_meta(step)
     step = int(meta["step"])
     has_rest = meta.get("has_rest", True)

@@ -12,8 +12,11 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
   orbax with a message that called the checkpoint damaged) and without touching it.
 - Evaluating that workdir: process 1 finds no config.json while parsing its flags, joins the job to say so, and
   process 0 stops at once (`sharding.tell_job_and_leave`; it used to wait out the 5-minute initialization timeout).
+  With the run's files but no checkpoints on process 1, both stop at `load_run`'s agreement point (after joining,
+  before the restore's collectives); with only an older checkpoint there, both say the hosts see different steps.
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
-  holds, cut and marked), two (the lower process wins); `stop_together` relaying a bug's exception type.
+  holds, cut and marked), two (the lower process wins); `stop_together` relaying a bug's exception type;
+  `sharding.agree_on` with and without a failure.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _job(args: list[str], cwd: str | list[str], timeout: float = 240) -> list[su
 
 def _train_job(workdir: str, cwd: str | list[str], *more: str) -> list[subprocess.CompletedProcess]:
   return _job([sys.executable, "-m", "hackable_diffusion.train", "--config=tiny.py", f"--workdir={workdir}",
-               "--config.mesh.data=-1", f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={STEPS}",
+               "--config.mesh.data=-1", f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={STEPS // 2}",
                "--config.train.log_every=2", "--config.train.eval_at_end=false", "--no_progress", *more], cwd)
 
 
@@ -100,6 +103,15 @@ try:  # a bug (not a project error) with a two-line message on process 1: the ot
   sh.stop_together(RuntimeError("no x\\nsecond line") if me == 1 else None)
 except Exception as e:
   told.append([type(e).__name__, str(e)])
+told.append(sh.agree_on(lambda: me * 10, together=True, before="x"))  # no failure: each its own result
+def fails_on_0():
+  if me == 0:
+    raise FileNotFoundError("eval.jsonl: no such file")
+  return me
+try:
+  told.append(sh.agree_on(fails_on_0, together=True, before="evaluating"))
+except Exception as e:
+  told.append([type(e).__name__, str(e)])
 print(json.dumps(told))
 """
 
@@ -114,6 +126,10 @@ def test_first_failure_tells_every_process_the_lowest_failing_one(tmp_path):
   assert json.loads(results[1].stdout.strip().splitlines()[-1])[3] == ["RuntimeError", "no x\nsecond line"]
   assert json.loads(results[0].stdout.strip().splitlines()[-1])[3] == [
       "TrainingError", "process 1 of 2 stopped before training: RuntimeError: no x second line"]
+  # `agree_on`: the results when every process succeeded; else the failing process its own error, the others a line
+  assert [json.loads(res.stdout.strip().splitlines()[-1])[4:] for res in results] == [
+      [0, ["FileNotFoundError", "eval.jsonl: no such file"]],
+      [10, ["TrainingError", "process 0 of 2 stopped before evaluating: FileNotFoundError: eval.jsonl: no such file"]]]
 
 
 def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_workdir_is_refused(tmp_path):
@@ -173,6 +189,29 @@ def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_
   stopped = f"error: process 1 of {PROCESSES} stopped before the job started: {missing}\n"
   assert results[0].stderr == stopped, results[0].stderr
   assert not list((hosts[0] / "report").glob("*"))  # nothing evaluated (the directory is checked writable first)
+
+  # process 1's copy has the run's files but no checkpoints: it fails reading them after joining, and process 0
+  # stops at the agreement point of `load_run` instead of waiting for process 1 inside the restore's collectives
+  shutil.copytree(hosts[0] / "run", hosts[1] / "run", dirs_exist_ok=True, ignore=shutil.ignore_patterns("checkpoints"))
+  evaluate = [sys.executable, "-m", "hackable_diffusion.evaluate", "--workdir=run", "--out=report"]
+  results = _job(evaluate, [str(h) for h in hosts], timeout=120)
+  none = f"{hosts[1] / 'run' / 'checkpoints'}: no checkpoint directory (has this workdir been trained?)"
+  assert [r.returncode for r in results] == [1, 1], [r.stderr[-3000:] for r in results]
+  assert results[1].stderr == f"error: {none}\n", results[1].stderr
+  assert results[0].stderr == f"error: process 1 of {PROCESSES} stopped before restoring the checkpoint: {none}\n", (
+      results[0].stderr)
+
+  # only the older checkpoint on process 1: each host's latest step differs, which every host reports (restoring
+  # different steps would give the hosts different weights, or fail inside orbax)
+  older = str(STEPS // 2)
+  shutil.copytree(hosts[0] / "run" / "checkpoints" / older, hosts[1] / "run" / "checkpoints" / older)
+  results = _job(evaluate, [str(h) for h in hosts], timeout=120)
+  assert [r.returncode for r in results] == [1, 1], [r.stderr[-3000:] for r in results]
+  for host, res in zip(hosts, results):
+    assert res.stderr == (f"error: {host / 'run' / 'checkpoints'}: the processes of this job see different checkpoints "
+                          f"(process 0: step {STEPS}, process 1: step {older}); a multi-host run needs its workdir on "
+                          "a file system that every host shares\n"), res.stderr
+  assert not list((hosts[0] / "report").glob("*"))
 
 
 def test_a_failing_process_prints_its_line_before_it_waits_for_the_job(tmp_path):
