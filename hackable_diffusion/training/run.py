@@ -390,7 +390,7 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
   file one host lacks (its copy of the workdir, a checkpoint step) stops every host before the restore's collectives.
   """
 
-  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  ckpt_dir, requested = os.path.join(workdir, CHECKPOINT_DIR), step
 
   def read() -> tuple[ExperimentConfig, Tokenizer, ModelConfig, int]:
     if not os.path.isdir(workdir):
@@ -398,7 +398,7 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
     cfg = as_experiment_config(config if config is not None else
                                config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME)))
     tokenizer = load_run_tokenizer(workdir)
-    return cfg, tokenizer, build_model_config(cfg, tokenizer), step_to_restore(ckpt_dir, step)
+    return cfg, tokenizer, build_model_config(cfg, tokenizer), step_to_restore(ckpt_dir, requested)
 
   cfg, tokenizer, model_config, step = sharding.agree_on(read, together=mesh is not None,
                                                          before="restoring the checkpoint")
