@@ -165,7 +165,11 @@ def step_to_restore(directory: str, step: int | None) -> int:
   directory = os.path.abspath(directory)  # named as `Checkpointer` names it
   if not os.path.isdir(directory):
     raise CheckpointError(f"{directory}: no checkpoint directory (has this workdir been trained?)")
-  steps = steps_on_disk(directory)
+  return pick_step(directory, steps_on_disk(directory), step)
+
+
+def pick_step(directory: str, steps: list[int], step: int | None) -> int:
+  """`step` if it is one of `steps` (None: the latest), else a one-line `CheckpointError` naming `directory`."""
   if step is None:
     if not steps:
       raise CheckpointError(f"{directory}: no checkpoint found")
@@ -242,14 +246,7 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def _check_step(self, step: int | None) -> int:
-    steps = self.all_steps()
-    if step is None:
-      if not steps:
-        raise CheckpointError(f"{self.directory}: no checkpoint found")
-      return steps[-1]
-    if step not in steps:
-      raise CheckpointError(f"{self.directory}: no checkpoint at step {step}; available steps: {steps}")
-    return step
+    return pick_step(self.directory, self.all_steps(), step)
 
   # ---- save ---------------------------------------------------------------------------------------------------
   def save(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = False) -> bool:
@@ -432,4 +429,5 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error", "step_to_restore", "steps_on_disk"]
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error", "pick_step", "step_to_restore",
+           "steps_on_disk"]
