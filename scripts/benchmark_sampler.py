@@ -12,6 +12,11 @@ the split and a load-robust view (on a shared machine torch's OpenMP threads slo
   python scripts/benchmark_sampler.py --sizes=a --batches=1 --markdown=/tmp/table.md
   python scripts/benchmark_sampler.py --smoke                # a micro model in seconds (used by the tests)
   python scripts/benchmark_sampler.py --vocab=262144 --batches=1,2   # sampler share of a step, before vs after
+  python scripts/benchmark_sampler.py --refill --workdir=runs/sudoku  # refilling stream vs fixed batches
+
+`--refill` runs `scripts/benchmark_refill.py` with the other arguments: on a trained run, tokens/s of the refilling
+loop (`hd.generate_stream`) against fixed batches (`hd.generate`) with early stopping, the same completions in both
+(its docstring has the details and options; `--refill --smoke` runs it on a micro model).
 
 `--vocab=V` runs no transformers: a small backbone (the Sudoku preset's widths, 4 layers) at vocabulary V, canvas 256,
 and times, in one process, the compiled denoising loop of this checkout ("after") and of commit 6c3e697 ("before":
@@ -281,6 +286,11 @@ def main_vocab(args) -> int:
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--refill" in argv:
+    import benchmark_refill  # scripts/, as hf_reference
+
+    return benchmark_refill.main([a for a in argv if a != "--refill"])
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sizes", default="a,b")
   parser.add_argument("--batches", default="1,8")

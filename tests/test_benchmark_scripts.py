@@ -30,15 +30,16 @@ def _table(output: str) -> tuple[list[str], list[list[str]]]:
   raise AssertionError(f"no table with an 'ours tok/s' column in the output:\n{output[-3000:]}")
 
 
-@pytest.mark.parametrize("script", [pytest.param("benchmark_train.py", marks=pytest.mark.slow),  # torch + ours: ~70 s
-                                    *SCRIPTS[1:]])
-def test_benchmark_smoke(script):
+@pytest.mark.parametrize("script, args", [pytest.param("benchmark_train.py", (), marks=pytest.mark.slow),  # ~70 s
+                                          *((s, ()) for s in SCRIPTS[1:]),
+                                          ("benchmark_sampler.py", ("--refill",))])  # benchmark_refill's comparison
+def test_benchmark_smoke(script, args):
   path = os.path.join(ROOT, "scripts", script)
   env = dict(os.environ)
   # Compile time dominates a micro model: the same fast-compile XLA options as the rest of the suite (conftest).
   env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
   env.setdefault("TOKENIZERS_PARALLELISM", "false")
-  proc = subprocess.run([sys.executable, path, "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, path, *args, "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-3000:]
@@ -53,7 +54,7 @@ def test_benchmark_smoke(script):
     for i in (ours, theirs):
       assert re.fullmatch(_NUMBER, row[i]) and float(row[i].replace(",", "")) > 0, (header[i], row)
     assert re.fullmatch(_NUMBER + "x", row[ratio]) and float(row[ratio][:-1].replace(",", "")) > 0, row
-  if script == "benchmark_refill.py":  # the two loops gave every example the same completion
+  if script == "benchmark_refill.py" or "--refill" in args:  # the two loops gave every example the same completion
     assert all(row[-1] == "yes" for row in rows), rows
   if script == "benchmark_train.py":
     # the two train steps were checked to compute the same loss and gradient norm before timing
