@@ -32,9 +32,18 @@ def test_distribution_name_does_not_collide_and_ships_the_configs():
   assert os.path.realpath(os.path.join(REPO, "configs")) == os.path.join(REPO, "hackable_diffusion", "configs")
 
 
+def running_site_dirs() -> list[str]:
+  """The site-packages folders the running interpreter imports from: the system's, or a virtualenv's own (whose
+  `--system-site-packages` would expose the base interpreter's folders instead, without this run's dependencies)."""
+  dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+  assert dirs, f"no site-packages folder on sys.path: {sys.path}"
+  return list(dict.fromkeys(dirs))
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-  """A virtualenv (system site-packages for the dependencies: no network) with the wheel of this checkout."""
+  """A fresh virtualenv with the wheel of this checkout; the dependencies come from the running interpreter's site
+  folders (no network), added after the venv's own so the wheel, not this checkout, is what imports."""
   root = tmp_path_factory.mktemp("wheel")
   src = root / "src"
   src.mkdir()
@@ -46,12 +55,15 @@ def venv(tmp_path_factory):
        str(src)])
   wheels = list((root / "dist").glob("*.whl"))
   assert len(wheels) == 1, wheels
-  run([sys.executable, "-m", "venv", "--system-site-packages", str(root / "venv")])
+  run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")])
   python = str(root / "venv" / "bin" / "python")
-  run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels[0])])
+  own_site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+  with open(os.path.join(own_site, "running_interpreter.pth"), "w", encoding="utf-8") as f:
+    f.writelines(f"import site; site.addsitedir({d!r})\n" for d in running_site_dirs())
+  run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", own_site, str(wheels[0])])
   empty = root / "empty"
   empty.mkdir()
-  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   env.update(JAX_PLATFORMS="cpu", PYTHONNOUSERSITE="1")
   return python, str(empty), env, str(root / "venv")
 
