@@ -32,6 +32,7 @@ from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, tr
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.evaluation import loop as eval_loop
 from hackable_diffusion.evaluation.checks import check_records
+from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.interop.hf import load_config as load_hf_config
 from hackable_diffusion.interop.hf import load_pretrained, resolve_dtype
 from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
@@ -109,7 +110,7 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tok
     elif source == "checkpoint":
       if not cfg.model.checkpoint:
         raise ConfigError("tokenizer.path='checkpoint' needs model.checkpoint (a HF directory or run workdir)")
-      tok = Tokenizer.load(cfg.model.checkpoint)
+      tok = Tokenizer.load(resolve_model_path(cfg.model.checkpoint))  # a folder, a run workdir or a Hub id
     else:
       tok = Tokenizer.load(cfg.tokenizer.path)
   except (FileNotFoundError, ValueError) as e:

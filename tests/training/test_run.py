@@ -37,6 +37,29 @@ def bf16_checkpoint(hf_factory, tmp_path_factory):
   return str(path)
 
 
+def test_a_hub_id_checkpoint_gives_the_run_its_tokenizer(bf16_checkpoint, tmp_path, monkeypatch):
+  """model.checkpoint as a Hub id (cached, offline): the tokenizer comes from the resolved snapshot, as from a folder."""
+  import os
+  import shutil
+
+  tokenizer = train_tokenizer(["1234567", "abcdefg"])
+  revision = "0123456789abcdef0123456789abcdef01234567"
+  repo = tmp_path / "hub" / "models--acme--dg-tok"
+  snapshot = repo / "snapshots" / revision
+  shutil.copytree(bf16_checkpoint, snapshot)
+  tokenizer.save(str(snapshot))
+  (repo / "refs").mkdir()
+  (repo / "refs" / "main").write_text(revision)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  cfg = _config("acme/dg-tok", **{"tokenizer.path": "checkpoint"})
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  tok = run_lib.build_tokenizer(cfg, str(workdir), "")
+  assert tok.vocab_size == tokenizer.vocab_size and tok.encode("1234567") == tokenizer.encode("1234567")
+  assert any(name.startswith("tokenizer") for name in os.listdir(workdir))  # saved for evaluation and export
+
+
 def _config(checkpoint: str, **overrides):
   return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(
       "tiny.py", {"model.preset": "", "model.checkpoint": checkpoint, **overrides}))
