@@ -1,11 +1,11 @@
 """Transparent huge pages for malloc: the CLIs re-execute themselves once with `glibc.malloc.hugetlb=1`.
 
 XLA:CPU allocates a step's temporaries fresh every step, and glibc hands large blocks back to the kernel on free, so
-every step touches its working set again one 4 KiB page at a time: the Sudoku main job took 297 million minor page
-faults in 27 minutes (~150,000 per train step) and spent 14% of its CPU time in the kernel. glibc >= 2.35 asks for
-2 MiB pages on its own allocations when `GLIBC_TUNABLES` holds `glibc.malloc.hugetlb=1`, where the kernel's
-transparent huge pages are in `madvise` mode (the common default): measured on the Sudoku train step, 217,000 ->
-800 faults per step (docs/benchmarks.md). The tunable is read only when a process starts, so a CLI that wants it
+every step touches its working set again one 4 KiB page at a time: hundreds of thousands of minor page faults per
+train step, and a large share of the CPU time spent in the kernel. glibc >= 2.35 asks for 2 MiB pages on its own
+allocations when `GLIBC_TUNABLES` holds `glibc.malloc.hugetlb=1`, where the kernel's transparent huge pages are in
+`madvise` mode (the common default), which cuts the faults per step by orders of magnitude (docs/results.md has
+the current count with and without). The tunable is read only when a process starts, so a CLI that wants it
 re-executes itself (same interpreter, same arguments, same PID) before importing JAX.
 
 Nothing happens when the tunable would change nothing or the user already chose: not Linux, not glibc >= 2.35,

@@ -22,23 +22,13 @@ Sizes: `sudoku` (`get_preset('sudoku')`: hidden 128, moe_intermediate 128, 4 exp
 512, moe_intermediate 512, 8 experts top-2, 8 layers, vocab 32k; scripts/benchmark_train.py's ~100M config).
 Token counts 81 (1 x 81), 648 (8 x 81), 2048 (8 x 256) and, for the Sudoku training batch, 2592 (32 x 81).
 
-  python scripts/benchmark_moe.py                          # everything (~10 min on 2 busy CPU cores)
+  python scripts/benchmark_moe.py                          # everything (minutes on a 2-core CPU)
   python scripts/benchmark_moe.py --parts=layer --sizes=100m --tokens=2048
   python scripts/benchmark_moe.py --parts=cost --tokens=2048
   python scripts/benchmark_moe.py --smoke                  # tiny shapes, one round (tests)
 
-Measured before the ragged rewrite (XLA:CPU, 2 shared cores, load average 5-6, 5 rounds; min wall ms, ratio to
-dense; process-CPU agreed). XLA:CPU has no ragged-dot kernel (jax lowers it to a dense masked dot over all
-experts), so ragged is slower than dense on CPU by design; the current numbers are in docs/scaling.md.
-
-  measurement                          dense     tiled           ragged
-  sudoku layer fwd   T=81 / 648 / 2048 0.5/2.7/9.1   0.72/0.68/0.51  1.58/1.72/1.57
-  sudoku layer grad  T=81 / 648 / 2048 1.3/10.8/45   1.05/0.60/0.42  1.69/1.75/1.71
-  sudoku decode 1x81 / 8x81 / 8x256    5.1/26/102    0.81/0.81/0.91  1.33/1.32/1.36
-  sudoku value_and_grad, batch 32      2325          0.84            1.18
-  100m layer fwd     T=81 / 648 / 2048 13/71/307     0.60/0.36/0.22  2.40/1.88/1.51
-  100m layer grad    T=81 / 648 / 2048 38/272/1030   0.84/0.35/0.27  2.29/1.70/1.49
-  100m decode 1x81 / 8x81 / 8x256      196/1075/4343 0.76/0.68/0.62  1.85/1.45/1.37
+XLA:CPU has no ragged-dot kernel (jax lowers it to a dense masked dot over all experts), so ragged is slower than
+dense on CPU by design. The current numbers are in docs/results.md.
 """
 
 from __future__ import annotations

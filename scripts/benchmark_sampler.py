@@ -19,8 +19,9 @@ loop (`hd.generate_stream`) against fixed batches (`hd.generate`) with early sto
 (its docstring has the details and options; `--refill --smoke` runs it on a micro model).
 
 `--vocab=V` runs no transformers: a small backbone (the Sudoku preset's widths, 4 layers) at vocabulary V, canvas 256,
-and times, in one process, the compiled denoising loop of this checkout ("after") and of commit 6c3e697 ("before":
-its `sampling/denoise.py` read with `git show`, run with its sampler, `tests/sampling/legacy_sampler.py`) against a
+and times, in one process, the compiled denoising loop of this checkout ("after") and that of the row-group sampler
+of the previous release ("before": `sampling/denoise.py` of git revision `--before_revision`, by default
+`LEGACY_REVISION`, read with `git show` and run with its sampler, kept in `tests/sampling/legacy_sampler.py`) against a
 loop of the same decoder forwards (`decode_hidden` + `lm_logits` + one max over the logits); the sampler's share of
 a step is `(loop - forwards) / loop`. Both loops run with the same key and weights; the script also reports how many
 argmax-canvas positions the two loops end with differently.
@@ -179,11 +180,13 @@ def _best_of(fn, repeats: int = REPEATS, budget_s: float = 40.0) -> float:
 
 
 # ---- --vocab: the sampler's share of a denoising step, before vs after ----------------------------------------
-BEFORE_COMMIT = "6c3e697"  # the last commit with the row-group sampler and the [B, C, V] self-conditioning carry
+# The git revision whose `sampling/denoise.py` is the previous release's denoising loop: the row-group sampler of
+# `tests/sampling/legacy_sampler.py` and a [B, C, V] self-conditioning carry (a checkout with full history has it).
+LEGACY_REVISION = "6c3e697"
 
 
-def _denoise_before():
-  """`sampling/denoise.py` of `BEFORE_COMMIT` (via `git show`) wired to the sampler it used then."""
+def _denoise_before(revision: str = LEGACY_REVISION):
+  """`sampling/denoise.py` of git revision `revision` (via `git show`) wired to the legacy row-group sampler."""
   import subprocess
   import types
 
@@ -191,13 +194,13 @@ def _denoise_before():
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sys.path.insert(0, os.path.join(root, "tests", "sampling"))
-  import legacy_sampler  # noqa: E402 - the frozen copy of that commit's sample_argmax_entropy
+  import legacy_sampler  # noqa: E402 - the frozen copy of the legacy sample_argmax_entropy
 
-  source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:hackable_diffusion/sampling/denoise.py"], cwd=root,
+  source = subprocess.run(["git", "show", f"{revision}:hackable_diffusion/sampling/denoise.py"], cwd=root,
                           check=True, capture_output=True, text=True).stdout
-  module = types.ModuleType(f"denoise_{BEFORE_COMMIT}")
+  module = types.ModuleType(f"denoise_{revision}")
   sys.modules[module.__name__] = module
-  exec(compile(source, f"{BEFORE_COMMIT}:denoise.py", "exec"), module.__dict__)  # noqa: S102 - our own history
+  exec(compile(source, f"{revision}:denoise.py", "exec"), module.__dict__)  # noqa: S102 - this repository's code
   public = {k: getattr(entropy_bound, k) for k in dir(entropy_bound) if not k.startswith("_")}
   module.eb = types.SimpleNamespace(**public)
   module.eb.sample_argmax_entropy = legacy_sampler.sample_argmax_entropy
@@ -205,14 +208,14 @@ def _denoise_before():
 
 
 def sampler_share(vocab: int, batch: int, steps: int, canvas: int = 256, prompt: int = 64, rounds: int = 3,
-                  budget_s: float = 60.0) -> dict:
+                  budget_s: float = 60.0, before_revision: str = LEGACY_REVISION) -> dict:
   """Seconds per denoising step of the loop before / after and of the forwards alone (see the module doc)."""
   from hackable_diffusion.model.config import get_preset
   from hackable_diffusion.model.transformer import DiffusionGemma
   from hackable_diffusion.sampling import denoise as after
   from hackable_diffusion.sampling.rules import EntropyBound
 
-  before = _denoise_before()
+  before = _denoise_before(before_revision)
   cfg = get_preset("sudoku", vocab_size=vocab, canvas_length=canvas, sliding_window=canvas)
   model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -269,7 +272,8 @@ def main_vocab(args) -> int:
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU threads, "
         f"load average {os.getloadavg()[0]:.1f}", flush=True)
   for batch in (int(b) for b in args.batches.split(",")):
-    r = sampler_share(args.vocab, batch, args.steps_b, rounds=args.rounds or 3, budget_s=args.budget_s)
+    r = sampler_share(args.vocab, batch, args.steps_b, rounds=args.rounds or 3, budget_s=args.budget_s,
+                      before_revision=args.before_revision)
     c = r["cpu"]  # process CPU seconds (robust to other load on a shared machine)
     share = {k: max(c[k] - c["forwards"], 0.0) / c[k] for k in ("before", "after")}
     row = (f"| {args.vocab} | {batch} | {args.steps_b} | {c['forwards']:.3f} | {c['before']:.3f} "
@@ -307,6 +311,9 @@ def main(argv=None) -> int:
   parser.add_argument("--vocab", type=int, default=0,
                       help="instead: the sampler's share of a denoising step at this vocabulary, before vs after "
                       "(a small backbone, no transformers; --batches, --steps_b, --rounds apply)")
+  parser.add_argument("--before_revision", default=LEGACY_REVISION,
+                      help="with --vocab: the git revision whose sampling/denoise.py is timed as 'before' (default "
+                      "%(default)s: the previous release's row-group sampler loop)")
   args = parser.parse_args(argv)
   if args.vocab:
     if args.batches == "1,8":

@@ -3,7 +3,8 @@
 Both sides hold identical parameters (our fresh `init_model` -> `save_pretrained` -> transformers
 `from_pretrained` -> transformers `save_pretrained` -> our `load_pretrained`, so the weights travel both ways),
 see the same batch and the same random draws (canvas, time, corruption, self-conditioning coin: our `draw_noise`
-with the key our step uses, fed to torch as tensors), and compute the same SFT objective (REFERENCE §3):
+with the key our step uses, fed to torch as tensors), and compute the same SFT objective (docs/reference.md,
+"Training recipe"):
 
   encoder, causal over prompt + clean completion -> AR next-token CE over the completion (weight 1.0);
   decoder over the noisy canvas reading the encoder's cache cut to prompt + clean canvases before it;
@@ -16,7 +17,7 @@ are compared (printed, and the script fails when they disagree beyond `--check_t
 `--check_tol_grad` for the gradient norm, relative). What to expect is set by float32 rounding, not by the formulas:
 in float64 both sides agree to ~1e-14 (loss) and ~1e-12 (gradient norm) at ~100M, but each side's fp32 step 0 is
 off its own float64 value by up to ~1e-3 (loss) and ~2.4e-2 (gradient norm) there, and the two fp32 sides differ
-by as much (measured: `python scripts/float64_parity.py --step0=100m --batch=1`; docs/benchmarks.md). The
+by as much (`python scripts/float64_parity.py --step0=100m --batch=1`; docs/results.md). The
 amplifier is the self-conditioning pass of a freshly initialised model: near-uniform logits over 32k tokens give a
 soft embedding that nearly cancels, and its RMSNorm scales the rounding noise up to unit size. Hence the defaults
 5e-3 / 1e-1 (4x the largest fp32-vs-fp64 deviation measured). At the Sudoku size rounding is far smaller; there
@@ -26,18 +27,17 @@ parameter's gradient agrees to ~3e-5, checked tensor by tensor). The completion 
 recipe), so the decoder's prefix is the prompt and every row decodes canvas 0 (transformers' cache has one length
 per batch).
 
-Tokens per step = encoder tokens + decoder canvas tokens = B * (P + C) + B * C (the decoder runs two forward
-passes and one backward over its canvas; it is counted once). The two sides run in alternating blocks
-(`--block=3`: per round, one untimed step of ours then 3 timed ones, then the same for torch; rounds until
-`--steps` timed steps per side), so that load on a shared machine hits both alike while each side is measured
-in its own steady state: right after the other library's step, a step of either side is slower (measured at
-~100M: ours 10.3-13 s instead of 7.8 s, torch 6.7-7.6 s instead of 6.3 s; both libraries allocate and free GBs
-per step, and the first step after a switch pays for the other's memory state). `--block=0` interleaves single
-steps (one ours, one torch, ...; every step timed) and shows that cost. The median step time is reported, and
-the ratio is torch time / our time. Our compile time (`lower().compile()` of the whole step) is excluded from the
-throughput and reported separately. Threads: torch's default (`torch.get_num_threads()`), XLA's default;
-`--cpus=0` pins the process to one core first, so that both run one thread (torch's OpenMP step time swings by
-10x on a shared 2-core machine: see docs/benchmarks.md). `--profile` adds a table of the steps' pieces.
+Tokens per step = encoder tokens + decoder canvas tokens = B * (P + C) + B * C (the decoder runs two forward passes and
+one backward over its canvas; it is counted once). The two sides run in alternating blocks (`--block=3`: per round, one
+untimed step of ours then 3 timed ones, then the same for torch; rounds until `--steps` timed steps per side), so that
+load on a shared machine hits both alike while each side is measured in its own steady state: right after the other
+library's step, a step of either side is markedly slower (both libraries allocate and free GBs per step, and the first
+step after a switch pays for the other's memory state). `--block=0` interleaves single steps (one ours, one torch, ...;
+every step timed) and shows that cost. The median step time is reported, and the ratio is torch time / our time. Our
+compile time (`lower().compile()` of the whole step) is excluded from the throughput and reported separately. Threads:
+torch's default (`torch.get_num_threads()`), XLA's default; `--cpus=0` pins the process to one core first, so that both
+run one thread (torch's OpenMP step time swings widely on a shared 2-core machine: see docs/results.md). `--profile`
+adds a table of the steps' pieces.
 
   python scripts/benchmark_train.py                              # sudoku and 100m, 10 timed steps each
   python scripts/benchmark_train.py --sizes=100m --steps=5 --profile
@@ -85,7 +85,8 @@ class Size:
 SIZES: dict[str, Size] = {
     # get_preset('sudoku'): vocab 32, hidden 128, 4 layers (S F S F), 4 experts top-2, canvas 81.
     "sudoku": Size("Sudoku", get_preset("sudoku"), prompt=81, batch=32),
-    # ~100M parameters (REFERENCE §6 shape; the same text config as scripts/benchmark_sampler.py size b).
+    # ~100M parameters (the real model's layer pattern, docs/reference.md "Real model dimensions"; the same text
+    # config as scripts/benchmark_sampler.py size b).
     "100m": Size("~100M", ModelConfig(
         vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=512,

@@ -1,27 +1,28 @@
-"""Logit parity with transformers at a mid-size config, in float32 and in float64 (issue 13, "Numerics at scale").
+"""Logit parity with transformers at a mid-size config, in float32 and in float64 (numerics at scale).
 
 Question: is our fp32 disagreement with transformers at ~100M scale (1e-3 of a logit scale of ~4, against 1e-5 at
 tiny sizes) a formula difference or float32 rounding? Both sides run the same random weights (transformers builds
 the model, `save_pretrained` writes fp32 safetensors, our `load_pretrained` reads them) on the same prompt and
 canvas, once in float32 and once in float64. If the float64 logits agree to ~1e-12 relative to the logit scale the
 two stacks compute the same function, and the float32 difference is rounding (its size then grows with depth,
-width and sequence length, which is what the issue saw).
+width and sequence length).
 
 float64 is not a supported compute dtype of either library, so this script forces it (script-only patches, no
 library change):
 - ours: JAX `jax_enable_x64`; `ModelConfig` accepts 'float64' (its dtype whitelist is widened here); the model code
   pins some steps to fp32 by name (norms, RoPE tables, softmaxes, logits: `jnp.float32`), so the `jnp` seen by
-  `model/layers.py`, `model/moe.py`, `model/moe_tiled.py`, `model/attention.py` and `model/transformer.py` is a proxy whose `float32` is float64.
+  `model/layers.py`, `model/moe.py`, `model/moe_tiled.py`, `model/attention.py` and `model/transformer.py` is a
+  proxy whose `float32` is float64.
 - transformers: `model.double()`, plus what it pins to fp32: RMSNorm (`.float()`), RoPE (inverse frequencies and
   angles in fp32), eager attention and router softmax (`dtype=torch.float32`), the final logits cast
   (`.to(torch.float32)`) and the embedding scale buffer `sqrt(hidden)` (made in fp32), each replaced here by the
   same code in float64 (the embedding scale alone, left in fp32, gives a 1e-8 relative difference in float64). The
   MoE experts run their eager per-expert loop (the default `grouped_mm` kernel refuses float64).
 
-Finding (2026-12-01): in float64 the two agree to ~1e-14 (2 layers) .. 3e-12 (8 layers) of the logit scale, layer
-by layer, while each side's fp32 logits are ~3e-3 off the float64 ones at 8 layers (errors grow ~2-3x per layer):
-no formula difference, fp32 rounding. `--step0` does the same for scripts/benchmark_train.py's first train step
-(loss and gradient norm; see docs/benchmarks.md).
+The result (docs/results.md): in float64 the two agree layer by layer to within float64 rounding of the logit
+scale, while each side's fp32 logits are far further off the float64 ones and the error grows with depth: no
+formula difference, fp32 rounding. `--step0` does the same for scripts/benchmark_train.py's first train step
+(loss and gradient norm).
 
 Per-layer: forward hooks on transformers' encoder/decoder layers and wrappers around our `DecoderLayer.encode` /
 `decode` (run eagerly) record every layer's output; `--per_layer` prints each layer's max difference relative to

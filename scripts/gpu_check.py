@@ -10,7 +10,7 @@ Measures, on the first accelerator:
   2. one LoRA train step (the recipe: r8 on all linear layers, remat, tiled loss, batch 8 as `--accum` micro-batches)
      - seconds per step and the device's peak bytes in use;
   3. `hd.generate` tokens per second at batch 1 with the default sampler (256 new tokens, early stopping).
-Prints a markdown table (docs/benchmarks.md has the measured one) and writes it as JSON with `--out`.
+Prints a markdown table (docs/results.md has the current one) and writes it as JSON with `--out`.
 
 It refuses on a CPU backend (one line, exit status 2): the numbers mean nothing there. `--allow_cpu --preset=tiny`
 runs the same code on a tiny model (tests/test_benchmark_scripts.py).

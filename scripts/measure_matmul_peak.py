@@ -1,4 +1,4 @@
-"""Matmul throughput of XLA (and torch) on this CPU, for the ceilings quoted in docs/benchmarks.md.
+"""Matmul throughput of XLA (and torch) on this CPU, for the ceilings quoted in docs/results.md.
 
   python scripts/measure_matmul_peak.py          # float32
   python scripts/measure_matmul_peak.py --bf16   # also bfloat16 operands with float32 accumulation (AMX)

@@ -3,7 +3,7 @@
 Every case is `jax.jit(step).lower(<abstract shapes>).compile().memory_analysis()`: XLA's own buffer assignment for
 the real shapes (25.25B parameters, vocab 262,144, 128 experts top-8), with fake CPU devices for the mesh case.
 
-    python scripts/memory_report.py                  # all cases, ~10 min on 2 cores
+    python scripts/memory_report.py                  # all cases (minutes on 2 cores)
     python scripts/memory_report.py --cases=a,c      # a subset; --validate: the CPU-convert check alone
     python scripts/memory_report.py --smoke --cases=c   # the same steps on a tiny 30-layer model (CI)
 
@@ -327,7 +327,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--full", action="store_true",
-                      help="compile all 30 layers (slow: ~25 min for case a) instead of 6 + 12 extrapolated")
+                      help="compile all 30 layers (slow) instead of 6 + 12 extrapolated")
   parser.add_argument("--scan", action="store_true",
                       help="the layers stacked and scanned (ModelConfig.scan_layers), as the 26B recipe runs them")
   args = parser.parse_args(argv)

@@ -7,11 +7,12 @@ output shape and the JAX operation it came from, `transpose(jvp(...))` meaning t
 per thunk, so concurrent thunks overlap and nested ones (the body of a `while`) are also counted in their loop:
 the sums exceed the step's wall time.
 
-  python scripts/profile_train_step.py --size=100m            # ~1 min
+  python scripts/profile_train_step.py --size=100m
   python scripts/profile_train_step.py --size=sudoku --top=40
   python scripts/profile_train_step.py --size=sudoku --matmul_dtype=bfloat16    # bf16 products (AMX)
 
-This is how the 3-D projections' transposing copies were found (docs/benchmarks.md, "Training").
+It shows, for instance, the transposing copies that 3-D projections cost (why `model/layers.py` projects 2-D
+token matrices).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 # Tests run tiny models, where XLA's CPU compile time dominates: the lowest backend optimisation level compiles
-# ~3x faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
+# several times faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
 if "jax" not in sys.modules:
   os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 from typing import Any
@@ -61,24 +61,24 @@ def shared_xla_cache(tmp_path_factory):
   yield path
 
 
-# The slowest test files, slowest first (seconds of one file on one pytest-xdist worker of the README command, idle
-# 2-core machine, `--durations=0`, session 30). `--dist loadfile` hands out whole files in collection order
-# (`--no-loadscope-reorder` in pyproject.toml: xdist's own reordering, most tests first, would hand out these
-# one-test files last, where a single one ran alone for the suite's last ~3 minutes). Files not listed follow in
-# their usual order.
+# The slowest test files, slowest first (by the seconds of one file on one pytest-xdist worker of the README command,
+# as `--durations=0` reports them; docs/results.md has the suite's current time). `--dist loadfile` hands out whole
+# files in collection order (`--no-loadscope-reorder` in pyproject.toml: xdist's own reordering, most tests first,
+# would hand out these one-test files last, where a single one would run alone at the end of the suite). Files not
+# listed follow in their usual order.
 SLOWEST_FIRST = (
-    "tests/model/test_scan.py",  # 133 s
-    "tests/tasks/sudoku/test_sudoku_learns.py",  # 128 s (one test: a Sudoku training run)
-    "tests/test_notebook.py",  # 128 s (three notebooks)
-    "tests/sharding/test_moe_mesh.py",  # 96 s (one 8-device worker)
-    "tests/sharding/test_multi_device.py",  # 91 s (three 8-device workers)
-    "tests/lora/test_qlora.py",  # 78 s
-    "tests/test_cli.py",  # 76 s
-    "tests/interop/test_qlora_interop.py",  # 70 s
-    "tests/training/test_sft_api.py",  # 64 s
-    "tests/training/test_step.py",  # 52 s
-    "tests/training/test_scan_run.py",  # 50 s
-    "tests/diffusion/test_loss.py",  # 44 s
+    "tests/model/test_scan.py",
+    "tests/tasks/sudoku/test_sudoku_learns.py",  # one test: a Sudoku training run
+    "tests/test_notebook.py",  # three notebooks
+    "tests/sharding/test_moe_mesh.py",  # one 8-device worker
+    "tests/sharding/test_multi_device.py",  # three 8-device workers
+    "tests/lora/test_qlora.py",
+    "tests/test_cli.py",
+    "tests/interop/test_qlora_interop.py",
+    "tests/training/test_sft_api.py",
+    "tests/training/test_step.py",
+    "tests/training/test_scan_run.py",
+    "tests/diffusion/test_loss.py",
 )
 
 

@@ -30,7 +30,7 @@ def _table(output: str) -> tuple[list[str], list[list[str]]]:
   raise AssertionError(f"no table with an 'ours tok/s' column in the output:\n{output[-3000:]}")
 
 
-@pytest.mark.parametrize("script, args", [pytest.param("benchmark_train.py", (), marks=pytest.mark.slow),  # ~70 s
+@pytest.mark.parametrize("script, args", [pytest.param("benchmark_train.py", (), marks=pytest.mark.slow),
                                           *((s, ()) for s in SCRIPTS[1:]),
                                           ("benchmark_sampler.py", ("--refill",))])  # benchmark_refill's comparison
 def test_benchmark_smoke(script, args):
@@ -61,7 +61,7 @@ def test_benchmark_smoke(script, args):
     assert re.search(r"parity, step 0: loss ours \S+ torch \S+", proc.stdout), proc.stdout[-3000:]
 
 
-@pytest.mark.slow  # profiles a compiled train step: ~45 s
+@pytest.mark.slow  # profiles a compiled train step
 def test_profile_train_step_lists_thunks_of_the_compiled_step():
   """The profiler script joins the trace's thunks with the compiled HLO: rows name real instructions with shapes."""
   env = dict(os.environ)
@@ -87,7 +87,7 @@ def _report_rows(*args: str) -> dict[str, list[float]]:
   return rows
 
 
-@pytest.mark.slow  # compiles the 30-layer smoke model whole and at 6 + 12 layers: ~75 s; run with -m slow
+@pytest.mark.slow  # compiles the 30-layer smoke model whole and at 6 + 12 layers; run with -m slow
 def test_memory_report_extrapolation_matches_a_whole_compile():
   """scripts/memory_report.py on its tiny 30-layer model: the sampler case compiled at 6 + 12 layers and extrapolated
   to 30 gives the arguments (exactly linear in the layers) of the whole 30-layer compile; temporaries are positive."""

@@ -1,11 +1,11 @@
-"""User errors of the CLIs (issue 18, rows 10 and 12, and `--verbose`): one `error:` line, exit code 1.
+"""User errors of the CLIs (a broken config file, a refused prompt, and `--verbose`): one `error:` line, exit code 1.
 
 - A broken config file (syntax error, an exception while it runs, no `get_config`) is named with its line before
   absl / ml_collections load it (in-process through `cli.prepare_argv`, and as `train` / `evaluate` print it).
 - Every CLI takes `--verbose`: the same line, then the traceback.
 - `sample` refuses a prompt training would refuse: longer than `data.max_prompt_length` tokens, or on a Sudoku run
   not an 81-cell puzzle (in-process, with a character tokenizer).
-The export rows (5, 6) are tested with a model in tests/interop/test_export.py.
+`export`'s refusal to overwrite is tested with a model in tests/interop/test_export.py.
 
 Only this module imports `hackable_diffusion.sample` in-process (its flags would clash with those of
 `hackable_diffusion.export` / `train` in one process); the other CLIs run as subprocesses.

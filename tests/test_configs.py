@@ -1,7 +1,8 @@
 """Every config file in configs/ builds: typed sections, model config, abstract model, data config, eval task.
 
 Models are built with `nnx.eval_shape` (shapes only), so even the 26B configs cost no memory. Files added to
-configs/ later are picked up automatically.
+configs/ later are picked up automatically. configs/base.py holds the defaults the others start from; it names no
+data, so it is built with a `data.train_path` override.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(config_lib.CONFIGS_DIR, "*.py")))
+BASE_FILE = os.path.join(config_lib.CONFIGS_DIR, "base.py")
+BASE_OVERRIDES = {"data.train_path": "train.jsonl"}  # what base.py needs to be a run of its own
+DERIVED_FILES = [f for f in CONFIG_FILES if f != BASE_FILE]
 
 
 class _StandInTokenizer:
@@ -34,7 +38,7 @@ def test_configs_exist():
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_config_builds(path, tmp_path):
-  raw = config_lib.load_config_file(path)
+  raw = config_lib.load_config_file(path, BASE_OVERRIDES if path == BASE_FILE else None)
   cfg = config_lib.ExperimentConfig.from_config_dict(raw)
   assert set(cfg.raw) <= set(config_lib.SECTIONS)
 
@@ -68,6 +72,51 @@ def test_config_builds(path, tmp_path):
   max_new = cfg.eval.max_new_tokens or cfg.data.max_canvases * model_config.canvas_length
   runs = loop.eval_runs(cfg.eval, max_new)
   assert runs[-1].sampling.early_stopping and len(runs) == len(set(cfg.eval.step_budgets)) + 1
+
+
+def _key_paths(tree, prefix=""):
+  """Every dotted key of a nested dict, sections included."""
+  out = set()
+  for k, v in tree.items():
+    out |= {prefix + k} | (_key_paths(v, f"{prefix}{k}.") if isinstance(v, dict) else set())
+  return out
+
+
+def test_configs_derive_from_the_base(monkeypatch):
+  """Every shipped config calls base.get_config() (a marker added there shows up in each) and keeps every key of
+  the base (a config only overrides or adds keys; a section it replaces keeps the base's keys of that section)."""
+  from hackable_diffusion.configs import base
+
+  base_keys = _key_paths(config_lib.config_to_dict(base.get_config()))
+  original = base.get_config
+
+  def marked():
+    config = original()
+    config.from_base = True
+    return config
+
+  monkeypatch.setattr(base, "get_config", marked)
+  assert len(DERIVED_FILES) == len(CONFIG_FILES) - 1
+  for path in DERIVED_FILES:
+    raw = config_lib.load_config_file(path)
+    assert raw.get("from_base") is True, f"{os.path.basename(path)} does not start from base.get_config()"
+    missing = base_keys - _key_paths(config_lib.config_to_dict(raw))
+    assert not missing, f"{os.path.basename(path)} lacks base keys {sorted(missing)}"
+
+
+def test_sudoku_main_config_key_settings():
+  raw = config_lib.load_config_file("sudoku.py")
+  assert raw.model.preset == "sudoku"
+  assert raw.model.overrides.num_attention_heads == 6
+  assert raw.model.overrides.attention_structure == "hackable_diffusion.tasks.sudoku.structure:own_cell_peer_mask"
+  assert raw.model.overrides.canvas_length == 81
+  assert raw.data.generator == "sudoku" and raw.data.pinned_field == "pinned"
+  assert raw.data.generator_args.num_train == 30_000
+  assert raw.train.steps == 2200 and raw.train.batch_size == 32
+  assert raw.eval.early_stopping_steps == 32 and tuple(raw.eval.step_budgets) == (8, 16, 32)
+  assert raw.eval.split == "test" and raw.eval.num_examples == 300
+  assert raw.eval.sampling.confidence_threshold == 0.14
+  assert raw.eval.sampling.t_min == 0.4 and raw.eval.sampling.t_max == 2.0
 
 
 def test_bad_ablation_task_argument_fails_before_training(tmp_path):

@@ -1,8 +1,8 @@
 """The three notebooks in notebooks/ execute end to end, as committed, in CI (each ends in a cell asserting its key
 result); each run stays in a temporary working directory (`HD_NOTEBOOK_WORKDIR`).
 
-Not marked slow: the three together took 312 s on this repository's 2-core machine at load average ~5 (4 min 16 s
-of CPU); per-notebook times and the asserted margins are in notebooks/README.md.
+Not marked slow: the three together take a few minutes on a 2-core machine (docs/results.md has the current
+time); the asserted margins are in notebooks/README.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 # Tests elsewhere lower XLA's CPU optimisation level (tests/conftest.py) because compiling dominates tiny models; the
-# quickstart's Sudoku model trains ~3x faster at the default level, so its kernel gets the default flags.
+# quickstart's Sudoku model trains several times faster at the default level, so its kernel gets the default flags.
 DEFAULT_XLA = {"quickstart.ipynb"}
 
 

@@ -1,4 +1,4 @@
-"""`hackable_diffusion.sample` on a Sudoku run (issue 16): the run's task applies as in evaluation.
+"""`hackable_diffusion.sample` on a Sudoku run: the run's task applies as in evaluation.
 
 A tiny Sudoku run (the 'tiny' preset at canvas 81 with the peer attention structure, 2 training steps) is enough:
 a model that has learned almost nothing fills the blank cells near-randomly, so

@@ -5,10 +5,10 @@ Records are read by data/text_records.py and tokenized once at load time (the da
 to a few hundred thousand short records) into fixed-size numpy arrays:
 
 * prompt: `[bos] + tokens(prompt text)`, LEFT-padded to `max_prompt_length` (the model takes left-padded prompts
-  with a 2-D attention mask, see DESIGN §2); bos is not added twice when the prompt text already starts with it
-  (chat templates write `{{ bos_token }}` themselves);
+  with a 2-D attention mask, see docs/design.md, "Model"); bos is not added twice when the prompt text already
+  starts with it (chat templates write `{{ bos_token }}` themselves);
 * completion: `tokens(completion text) + [eos]`, RIGHT-padded to `max_canvases * canvas_length`; the training step
-  cuts it into canvases and picks one valid canvas per example (REFERENCE §3).
+  cuts it into canvases and picks one valid canvas per example (docs/reference.md, "Training recipe").
 
 The loss is only ever on the completion (the decoder canvas and the encoder's next-token loss over it): prompt
 tokens are context. What the two texts are:

@@ -1,6 +1,6 @@
 """Uniform-state discrete diffusion: time sampling, noise schedules, corruption, canvas choice.
 
-The forward process of DiffusionGemma's SFT recipes (REFERENCE §3; the uniform-state process of
+The forward process of DiffusionGemma's SFT recipes (docs/reference.md, "Training recipe"; the uniform-state process of
 Austin et al. 2021 "D3PM", as used by UDLM, Schiff et al. 2024, and Duo, Sahoo et al. 2025):
 `q(z_t | x) = alpha_t * onehot(x) + (1 - alpha_t) / V`, i.e. each token is kept with probability
 `alpha_t` and otherwise resampled uniformly from the whole vocabulary. `t ~ U(eps, 1 - eps)` per
@@ -88,7 +88,7 @@ def corrupt_uniform(
     key: PRNG key.
     tokens: `[batch, canvas]` int clean tokens.
     alpha: `[batch]` keep probability `alpha_t` per example.
-    vocab_size: V; replacements are uniform over `[0, V)` (the whole vocabulary, as in the reference).
+    vocab_size: V; replacements are uniform over `[0, V)` (the whole vocabulary, as in the published recipes).
     protected_mask: optional `[batch, canvas]` bool; True positions are never changed (e.g. pad or
       pinned cells).
 
@@ -120,8 +120,8 @@ def corrupt_uniform(
 def choose_canvas(key: jax.Array, num_valid_canvases: jax.Array) -> jax.Array:
   """One canvas per example, uniform over `[0, num_valid_canvases)`: `[batch]` -> `[batch]` int32.
 
-  REFERENCE §3: the completion is cut into canvases and one valid canvas per example is trained on.
-  Counts below 1 are treated as 1.
+  As in the published SFT recipes (docs/reference.md, "Training recipe"): the completion is cut into canvases
+  and one valid canvas per example is trained on. Counts below 1 are treated as 1.
   """
   n = jnp.maximum(jnp.asarray(num_valid_canvases, jnp.int32), 1)
   return jax.random.randint(key, n.shape, 0, n, dtype=jnp.int32)

@@ -1,4 +1,4 @@
-"""The SFT objective of a block-diffusion DiffusionGemma (REFERENCE §3).
+"""The SFT objective of a block-diffusion DiffusionGemma (docs/reference.md, "Training recipe").
 
 Per example: the encoder runs causally over prompt + clean completion (teacher forcing) and writes the KV cache;
 one valid canvas of the completion is chosen uniformly, corrupted with the uniform-state process at a random
@@ -45,10 +45,10 @@ class LossConfig:
   variant: the diffusion term, a `LOSS_TERMS` name ('flat', 'corrupted', 'elbo') or 'package.module:Factory'
     (`Factory()` returns a `LossTerm`). schedule: the keep-probability schedule ('linear', 'cosine'). time_eps: `t ~
     U(eps, 1 - eps)`. time_min: a floor on the training times, `t ~ U(max(eps, time_min), 1 - eps)` (0: the
-    reference recipe); the canvases below it are almost clean, and a small model learns them long before the rest.
+    published recipe); the canvases below it are almost clean, and a small model learns them long before the rest.
     self_conditioning_prob: per-example probability of a self-conditioned second pass.
     encoder_ar_weight: weight of the encoder's next-token loss (0: the last canvas is not encoded).
-    self_conditioning_passes: decoder passes without gradient before the trained one: 1 (the reference recipe)
+    self_conditioning_passes: decoder passes without gradient before the trained one: 1 (the published recipe)
     computes the self-conditioning input without self-conditioning; each further pass feeds the previous pass's
     logits back as its self-conditioning input (every row), as sampling does from step to step.
     encoder_gradients: False stops the gradient at the KV cache the encoder writes: the encoder pass runs forward
@@ -186,7 +186,7 @@ def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
   Written with the maximum and the target's logit that `cross_entropy`'s forward pass computes on the same fp32
   logits, so XLA computes them once: the metric costs no pass over `[..., V]` of its own (an argmax is one more
-  read of the logits: ~60 ms of a 3.7 s train step at a 32k vocabulary). The tiled head path keeps its tiles'
+  read of the logits, a visible share of a train step at a large vocabulary). The tiled head path keeps its tiles'
   argmax (computed there anyway), so on an exact tie the two paths' metrics can differ; the loss never does.
   """
   z = logits.astype(jnp.float32)

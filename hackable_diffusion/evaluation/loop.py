@@ -3,8 +3,9 @@
 For each step budget `N` of the config (`eval.step_budgets`) the sampler runs with early stopping off and
 `max_denoising_steps=N`; one more run uses early stopping with `eval.early_stopping_steps` as the cap (the
 setting of transformers' `generate`). Every run decodes the completions, scores them with the `Task`, and
-records the mean denoising steps per canvas and tokens per forward (REFERENCE §4: "accuracy at 32 / 64 / 96
-denoising steps and with early stopping; mean denoising steps per canvas").
+records the mean denoising steps per canvas and tokens per forward: the quantities the published Sudoku recipes
+report (accuracy at 32 / 64 / 96 denoising steps and with early stopping, mean denoising steps per canvas;
+docs/reference.md, "Sudoku benchmark").
 
 With `mesh=` every `generate` call samples on that device mesh: the model's variables stay in the shardings they
 have (a train state's training shardings; nothing is gathered onto one device), and each batch of `eval.batch_size`

@@ -4,8 +4,8 @@
 and every query attends to the cache slots at or before its own position (sliding layers: the last
 `sliding_window` positions, itself included).
 *Decoder mode* (bidirectional; reads the cache): the canvas attends to the valid cached prefix and to the whole
-canvas. On sliding layers only the last `sliding_window - 1` cached positions are visible, which is what the
-reference's sliding cache keeps (transformers `DynamicSlidingWindowLayer`).
+canvas. On sliding layers only the last `sliding_window - 1` cached positions are visible, which is what
+transformers' sliding cache keeps (transformers `DynamicSlidingWindowLayer`).
 
 Cost scales with the prompt: when the cache is at least twice a sliding layer's key span (and of at least
 `BAND_MIN_CAPACITY` slots), the encoder computes that layer over the band only (`banded_encoder_attention`: query
@@ -217,7 +217,7 @@ def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   platform = jax.default_backend()
   impl = attention_implementation(platform, dtype, q.shape[-1], q.shape[1], k.shape[1],
                                   _device_compute_capability() if platform == "gpu" else None)
-  if impl != "cudnn":  # jax's XLA path is the same computation, measured 1.24x slower per Sudoku train step on CPU
+  if impl != "cudnn":  # jax's XLA path: the same computation, slower than ours on CPU
     return attend_einsum(q, k, v, mask, dtype)
   mask = mask[:, None] if mask.ndim == 3 else mask
   out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0,

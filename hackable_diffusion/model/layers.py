@@ -106,8 +106,8 @@ def tokens_2d(x: Array) -> Array:
   """x [..., D] -> [tokens, D].
 
   Projections run on 2-D token matrices: the weight gradient of a projection applied to a 3-D `[B, L, D]` input
-  contracts two axes, which XLA:CPU lowers with a separate transposing copy of the activation gradient (measured
-  4-10x slower than the 2-D form, whose transposition the matmul absorbs).
+  contracts two axes, which XLA:CPU lowers with a separate transposing copy of the activation gradient (several
+  times slower than the 2-D form, whose transposition the matmul absorbs).
   """
   return x.reshape(-1, x.shape[-1])
 

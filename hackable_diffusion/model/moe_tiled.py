@@ -35,10 +35,11 @@ class TileLayout(NamedTuple):
 def moe_tile_rows(assignments: int, num_experts: int, hidden: int) -> int:
   """Static rows per tile for `assignments = T*K` routed rows over `num_experts` experts of width `hidden`.
 
-  Measured on XLA:CPU (forward and gradient, hidden 128..512, 4-8 experts, 81..2592 tokens): 64 once the experts
-  are wide (hidden >= 256) and get >= 128 rows each on average, else 32 (smaller tiles lose more to per-tile
-  overhead, larger ones to padding: up to `E * (tile - 1)` rows). 128 once every expert gets >= 1024 rows on
-  average (the Sudoku training step: 5,184 encoder tokens, 4 experts; its step time 1.03 s -> 0.93 s).
+  Chosen on XLA:CPU timings (forward and gradient, hidden 128..512, 4-8 experts, 81..2592 tokens;
+  `scripts/benchmark_moe.py`): 64 once the experts are wide (hidden >= 256) and get >= 128 rows each on average,
+  else 32 (smaller tiles lose more to per-tile overhead, larger ones to padding: up to `E * (tile - 1)` rows). 128
+  once every expert gets >= 1024 rows on average (the Sudoku training step: 5,184 encoder tokens, 4 experts, is
+  faster with them).
   """
   if assignments >= 1024 * num_experts:
     return 128

@@ -2,13 +2,14 @@
 
 `jax.checkpoint` marks the recomputation with optimisation barriers so that XLA does not merge it back into the
 forward pass. XLA:CPU expands those barriers early in its pipeline, after which common-subexpression elimination
-does merge them: `jax.checkpoint` around unrolled layers then saves nothing on CPU (measured: an 8-layer toy's
-compiled temporaries stay 256 MiB with and without it), and a memory report compiled on this CPU would not show
+does merge them: `jax.checkpoint` around unrolled layers then saves nothing on CPU (an 8-layer toy's compiled
+temporaries are the same with and without it), and a memory report compiled on this CPU would not show
 what a GPU saves. `recompute_in_backward` keeps only the inputs and, in the backward pass, recomputes from inputs
 offset by `0 * (an element of the cotangent)`: XLA cannot prove that equal to the forward (`0 * x` is not folded
 for floats, it may be NaN) and cannot run it before the cotangent exists, so the recomputation stays where it
-belongs on every backend (the same toy: 112 MiB). Values and gradients are those of the plain function (the
-offset is an exact zero for finite cotangents; a non-finite cotangent makes the gradient non-finite either way).
+belongs on every backend (the same toy's temporaries less than halve). Values and gradients are those of the plain
+function (the offset is an exact zero for finite cotangents; a non-finite cotangent makes the gradient non-finite
+either way).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Task-provided attention structure: an optional, hackable restriction of canvas-to-canvas attention.
 
-Not part of the reference architecture (a model using one cannot be exported to transformers/vLLM). At CPU
+Not part of the DiffusionGemma architecture (a model using one cannot be exported to transformers/vLLM). At CPU
 budgets it decides results on structured tasks: a Sudoku denoiser whose heads only see each cell's
-row/column/box peers learns an order of magnitude faster than one with plain attention (see the Sudoku issue).
+row/column/box peers learns an order of magnitude faster than one with plain attention (see docs/sudoku.md).
 
 A structure is a function `(config: ModelConfig) -> bool array [heads or 1, canvas, P + canvas]` (True = may
 attend) living in any importable module; the last `canvas` columns restrict canvas-to-canvas attention, the first

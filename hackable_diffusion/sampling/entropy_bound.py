@@ -157,11 +157,11 @@ def step_statistics(key: Array | None, logits: Array, temperature, *, weights_dt
 
   With `weights_dtype`, a second, elementwise pass writes the softmax numerators `exp(z - max z)` once, for the
   self-conditioning input `softmax(z) @ embed = (weights @ embed) / total` (`denoise.self_conditioning_embeddings`).
-  The sample is drawn by one uniform per position and an inverse CDF over the blocks' masses, then inside the
-  chosen block (a `[R, 128]` gather). The random stream is that of the row-group implementation this replaced
-  (commit 6c3e697; `row_group` only selects it: the key is split into `R / group` keys): argmax canvases are equal,
-  entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding of a token
-  boundary of the cumulative masses, which are summed in another order (see `docs/sampling.md`).
+  The sample is drawn by one uniform per position and an inverse CDF over the blocks' masses, then inside the chosen
+  block (a `[R, 128]` gather). The random stream is that of the row-group sampler of the previous release (kept in
+  `tests/sampling/legacy_sampler.py`; `row_group` only selects it: the key is split into `R / group` keys): argmax
+  canvases are equal, entropies equal to a few ulps; a sample can differ where the uniform falls within float rounding
+  of a token boundary of the cumulative masses, which are summed in another order (see `docs/sampling.md`).
 
   `temperature` is a scalar or an array broadcastable to the leading shape (a per-row temperature `[B, 1]`);
   `uniforms` (shape `[...]`, in [0, 1)) replaces the draws from `key` (per-row random streams, `denoise_rows`).

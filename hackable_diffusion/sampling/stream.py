@@ -229,7 +229,7 @@ def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width:
 def _placed_like(state: Any, tree: Any) -> Any:
   """`tree` committed to the device of the model's arrays when they are committed to one: the compiled programs
   return the cache and row state committed there, and a first call with uncommitted inputs would compile each
-  program a second time (measured: 5.4 s for the Sudoku denoising chunk)."""
+  program a second time (seconds each for the Sudoku denoising chunk)."""
   leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
   if leaf is None or not getattr(leaf, "committed", False) or len(leaf.devices()) != 1:
     return tree

@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule (optax), defaults from the gemma JAX Sudoku recipe (REFERENCE §3).
+"""Optimizer and learning-rate schedule (optax), defaults from the gemma JAX Sudoku recipe
+(docs/reference.md, "Training recipe").
 
 clip by global norm 1.0 -> Adam(b1 0.95, b2 0.99, eps 1e-8) with decoupled weight decay 1e-4 -> lr schedule:
 linear warmup 100 steps to 1.5e-4, cosine to peak/10 at 2,000 steps.

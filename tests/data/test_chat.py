@@ -137,7 +137,7 @@ def test_tokenizer_json_loads_with_gemma4_specials(checkpoint):
   assert tok.special_tokens['eoi_token'] == '<image|>' == hf.special_tokens_map['eoi_token']
   for text in ['Paris is the capital', 'naïve 東京 🗼\n\t x', '<|turn>user\nhi<turn|>']:
     assert tok.encode(text) == hf.encode(text, add_special_tokens=False)
-  # the file itself loads too (the issue: 'not a valid SentencePiece model')
+  # the file itself loads too (not refused as 'not a valid SentencePiece model')
   assert Tokenizer.load(checkpoint / 'tokenizer.json').encode('hello') == tok.encode('hello')
 
 

@@ -343,4 +343,4 @@ def test_top1_correct_is_argmax_equal_target_without_a_pass_of_its_own():
   ce_count, ce_argmax = reductions(ce_only)
   assert ce_count >= 2 and ce_argmax == 0  # the maximum and the exponential sum
   assert reductions(with_metric) == (ce_count, 0)
-  assert reductions(with_argmax)[1] == 1  # what the metric used to add: an index-valued pass over the logits
+  assert reductions(with_argmax)[1] == 1  # what an argmax metric adds: an index-valued pass over the logits

@@ -176,7 +176,7 @@ class _PinSome(BaseTask):
 
 
 class _NoisePerCall(_PinSome):
-  """Noise from one generator per call (the Sudoku task's hook before session 33) or by place in the batch: a row's
+  """Noise from one generator per call (as a task's hook may draw it) or by place in the batch: a row's
   start canvas then depends on the batch it is in."""
 
   def __init__(self, by_place: bool):

@@ -203,7 +203,7 @@ def test_workdir_export_peft_cli_and_merged(workdir, tmp_path):
   assert max_abs_diff(our_logits(hd.load_pretrained(str(tmp_path / "merged")), ids, canvas, sc), ours) <= 1e-4
 
 
-# ---- nothing is overwritten without asking (issue 18, rows 5 and 6) ------------------------------------------------
+# ---- nothing is overwritten without asking ------------------------------------------------------------------------
 def _snapshot(root) -> dict[str, tuple]:
   """Every path under `root` -> (bytes, mtime_ns) of a file, or None for a directory: equal means untouched."""
   out: dict[str, tuple | None] = {}

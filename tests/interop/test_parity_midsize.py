@@ -1,5 +1,5 @@
 """Logit parity with transformers at a mid-size config (hidden 512, vocab 32k, prompt 128, canvas 256), in float64
-and float32 (issue 13, "Numerics at scale").
+and float32.
 
 At this size our fp32 logits differ from transformers' fp32 logits by ~1e-5..1e-3 of the logit scale, 100x more
 than at the tiny test sizes. `scripts/float64_parity.py` shows why: run in float64 on both sides the two stacks

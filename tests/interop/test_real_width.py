@@ -1,4 +1,4 @@
-"""Issue 13, real-width slice: a 2-layer DiffusionGemma at the widths of DiffusionGemma 26B-A4B.
+"""Numerics at the real width: a 2-layer DiffusionGemma at the widths of DiffusionGemma 26B-A4B.
 
 hidden 2816, 16 heads; sliding layer: 8 kv heads of head_dim 256; full layer: 2 kv heads of head_dim 512 (k = v);
 128 experts top-8 of width 704; dense MLP 2112; vocabulary 262,144 (the tied embedding alone is 2.95 GB in fp32).

@@ -180,7 +180,7 @@ def _model_run(model, prompt, mask, block, canvas, canvas_mask, capacity):
   return logits, h1 * mask[..., None], h2
 
 
-@pytest.mark.slow  # the whole model twice (~60 s); the transformers parity tests cover the same paths
+@pytest.mark.slow  # the whole model twice; the transformers parity tests cover the same paths
 def test_model_equals_old_attention(monkeypatch):
   """Left-padded prompt longer than the window, a second encoded block, a decoder canvas with a per-head task
   mask, every sliding layer banded: logits, hidden states and parameter gradients equal the dense original."""

@@ -1,5 +1,5 @@
-"""The sampler's statistics as they were before the vectorised rewrite (commit 6c3e697), kept as the reference
-for the exact-equality tests (`test_sampler_cost.py`) and the "before" of `scripts/benchmark_sampler.py`.
+"""The row-group sampler of the previous release (the statistics streamed per row group, not vectorised), kept as
+the reference for the exact-equality tests (`test_sampler_cost.py`) and the "before" of `scripts/benchmark_sampler.py`.
 
 Frozen: do not edit. `sample_argmax_entropy` here streams the vocabulary in chunks (`lax.scan`) and processes rows
 in groups of about 2^19 logits (`lax.map`), i.e. a sequential loop whose trip count grows with the batch.

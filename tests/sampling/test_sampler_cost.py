@@ -1,8 +1,8 @@
 """The sampler's statistics: equal to the streamed implementation they replaced, and their compiled cost.
 
-Equality: `entropy_bound.step_statistics` / `sample_argmax_entropy` against the frozen copy of the previous
-implementation (`legacy_sampler.py`, commit 6c3e697) on random logits with several keys (ties, temperatures,
-allowed-token masks, pinned cells, several chunks and row groups): argmax canvases bit for bit; samples bit for bit
+Equality: `entropy_bound.step_statistics` / `sample_argmax_entropy` against the row-group sampler of the previous
+release (a frozen copy in `legacy_sampler.py`) on random logits with several keys (ties, temperatures, allowed-token
+masks, pinned cells, several chunks and row groups): argmax canvases bit for bit; samples bit for bit
 up to a vocabulary of 2048 and in >= 99% of positions at 32k (the block masses are summed in another order, and at
 a large vocabulary a token's mass is near the rounding of their cumulative sum); entropies within a few float32 ulps
 and the acceptance masks they give identical (at near-zero temperature the previous entropies carried cancellation
@@ -183,9 +183,9 @@ def test_sampler_step_cost_at_the_released_vocabulary():
   # self-conditioning product reads once; plus the [V, H] embedding and the [R, V / 128] block statistics
   reads = a["reads"] - a["gather_overcharge"]
   assert a["gather_overcharge"] <= 1.01 * logits_bytes  # the [R, 128] gather (and a [R] one from [R, V / 128])
-  assert reads <= 4.0 * logits_bytes, a  # the issue's bound, the embedding included
+  assert reads <= 4.0 * logits_bytes, a  # at most four reads of the logits' size, the embedding included
   assert reads - embed_bytes <= 3.2 * logits_bytes, a
-  # without the self-conditioning product (the model's input, formerly computed inside `decode`): the statistics
+  # without the self-conditioning product (the model's input, not part of `decode`): the statistics
   # and the softmax weights read the logits twice; bytes written: the weights once, plus the [R, V / 128] block
   # statistics (five arrays of 1/128 the logits' elements, written and read about twice)
   stats_only = _analyse(lambda x, k, t: eb.step_statistics(k, x, t, weights_dtype=jnp.float32),

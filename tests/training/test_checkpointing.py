@@ -67,8 +67,8 @@ def test_retention_keeps_latest(tmp_path, state):
 
 
 def test_old_steps_leave_by_an_atomic_rename(tmp_path, state, monkeypatch):
-  """Retention never leaves a half-deleted step under its final name (a kill during an in-place delete did: the
-  step kept opt/ and meta/ but lost params/, and no longer restored). Old steps are renamed into the trash dir in
+  """Retention never leaves a half-deleted step under its final name (a kill during an in-place delete could: the
+  step would keep opt/ and meta/ but lose params/, and no longer restore). Old steps are renamed into the trash dir in
   one step, and whatever a killed process left there is purged when the directory is next opened for writing."""
   _, st = state
   directory = tmp_path / "ckpt"

@@ -1,4 +1,4 @@
-"""Fault injection: a tiny `train` run SIGKILLed at random moments and resumed each time (issue 18).
+"""Fault injection: a tiny `train` run SIGKILLed at random moments and resumed each time.
 
 `python -m hackable_diffusion.train --config=tiny.py ...` is killed with SIGKILL `kills` times - at moments drawn
 from a fixed-seed numpy generator, cycling through three kinds: a random log step (plus a random delay), the
@@ -10,7 +10,7 @@ run finishes and its final parameters and per-step training losses equal those o
 command (exact resume).
 
 Each process start costs seconds of imports and compilation (more on a loaded machine), so the count is a module
-constant: CI runs `KILLS_CI` (3) kills; the full `KILLS_FULL` (20) version the issue asks for is marked
+constant: CI runs `KILLS_CI` (3) kills; the full `KILLS_FULL` (20) version is marked
 `slow` (excluded by the default `-m 'not slow ...'`; run it with `pytest -m slow -k fault`).
 """
 
@@ -230,5 +230,5 @@ def test_sigkill_at_random_moments_resumes_exactly(tmp_path, env):
 
 @pytest.mark.slow
 def test_fault_injection_full(tmp_path, env):
-  """The issue's 20 kills (minutes: one process start per kill)."""
+  """`KILLS_FULL` kills (minutes: one process start per kill)."""
   run_fault_injection(Plan(steps=400, eval_every=30, kills=KILLS_FULL), tmp_path, env)

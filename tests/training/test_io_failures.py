@@ -1,4 +1,4 @@
-"""I/O failures are errors, never hangs (issue 18, rows 1 and 11).
+"""I/O failures are errors, never hangs.
 
 A full disk (ENOSPC) or a failing device (EIO) while writing metrics, TensorBoard events or a checkpoint stops the
 run with a one-line error within seconds, keeps the last complete checkpoint restorable, and leaves no background
@@ -343,8 +343,8 @@ def _files_under(root: str) -> list[str]:
 def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
   """The disk fills after the checkpoint of step 10 (keep_checkpoints=1): the run stops with one line within
   seconds, checkpoint 10 is intact and restorable, metrics.jsonl is valid, and a rerun (disk freed) resumes from it
-  and finishes. Orbax's writer of the failed save's sharding files is slowed down (it used to finish only after
-  the error, and a rerun in the same process raced it: 'Directory not empty'): nothing is written once the error
+  and finishes. Orbax's writer of the failed save's sharding files is slowed down (unless stopped, it finishes only
+  after the error, and a rerun in the same process races it: 'Directory not empty'): nothing is written once the error
   is raised."""
   from orbax.checkpoint._src.serialization import jax_array_handlers  # fault injection into orbax's own writer
 

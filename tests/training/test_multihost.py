@@ -8,10 +8,10 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
 - Process 1 cannot make its data (a test task that fails there): process 0, which holds the lock and would have
   gone on to its first collective, stops with one line naming process 1 and releases the lock.
 - A workdir the hosts do not share (a relative `--workdir` in another directory on each process), whose copy on
-  process 0 holds a checkpoint: both stop with one line saying so, before any restore (which used to fail inside
-  orbax with a message that called the checkpoint damaged) and without touching it.
+  process 0 holds a checkpoint: both stop with one line saying so, before any restore (which would fail inside
+  orbax with a message that calls the checkpoint damaged) and without touching it.
 - Evaluating that workdir: process 1 finds no config.json while parsing its flags, joins the job to say so, and
-  process 0 stops at once (`sharding.tell_job_and_leave`; it used to wait out the 5-minute initialization timeout).
+  process 0 stops at once (`sharding.tell_job_and_leave`; it does not wait out the 5-minute initialization timeout).
   With the run's files but no checkpoints on process 1, both stop at `load_run`'s agreement point (after joining,
   before the restore's collectives); with only an older checkpoint there, both say the hosts see different steps.
 - `sharding.first_failure` itself across the two processes: no failure, one (a message longer than the exchange
@@ -176,8 +176,8 @@ def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_
   assert run_lib.load_run(str(hosts[0] / "run")).step == STEPS
 
   # evaluating it there: process 1 has no config.json, so it fails while parsing its flags, before it joins the job.
-  # It joins to say so and process 0 stops at once (it used to wait in jax.distributed.initialize until the
-  # 5-minute timeout aborted it with a C++ check failure), before restoring anything.
+  # It joins to say so and process 0 stops at once (had process 1 not joined, process 0 would wait in
+  # jax.distributed.initialize until the 5-minute timeout aborts it with a C++ check failure), before restoring anything.
   if (hosts[1] / "run" / "config.json").exists():
     os.remove(hosts[1] / "run" / "config.json")
   results = _job([sys.executable, "-m", "hackable_diffusion.evaluate", "--workdir=run", "--out=report"],

@@ -82,7 +82,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
   return text
 
 
-# ---- row 2: one owner per workdir ---------------------------------------------------------------------------------
+# ---- one owner per workdir -------------------------------------------------------------------------------------------
 def test_train_releases_the_lock(trained):
   assert not os.path.exists(os.path.join(trained, workdir_lib.LOCK_FILENAME))
   with workdir_lib.WorkdirLock(trained):  # free again
@@ -151,7 +151,7 @@ def test_cli_second_run_prints_one_line(tmp_path):
   assert os.listdir(workdir) == []  # the refused run wrote nothing (not even config.json); our lock is released
 
 
-# ---- rows 3 and 4: resume compatibility ---------------------------------------------------------------------------
+# ---- resume compatibility --------------------------------------------------------------------------------------------
 def test_shape_changing_resume_is_refused_and_leaves_the_workdir_unchanged(run_copy):
   before = _digest(run_copy)
   raw = config_lib.config_to_dict(small_config())
@@ -199,7 +199,7 @@ def test_without_a_checkpoint_the_config_may_change(tmp_path):
     workdir_lib.check_resume(raw, workdir)
 
 
-# ---- rows 8 and 9: checks before anything is written ---------------------------------------------------------------
+# ---- checks before anything is written -------------------------------------------------------------------------------
 def test_missing_validation_file_fails_before_anything_is_written(tmp_path):
   train = tmp_path / "train.jsonl"
   train.write_text("".join(f'{{"prompt": "{i}{i + 1}", "completion": "{i + 1}{i}"}}\n' for i in range(8)))
@@ -273,7 +273,7 @@ def test_low_disk_space_warns(tmp_path, monkeypatch):
 
 
 def test_evaluate_on_an_unwritable_run_fails_before_evaluating(run_copy, tmp_path):
-  """`evaluate` checks its output directory first: one line, no report, no 14 s of evaluation first."""
+  """`evaluate` checks its output directory first: one line, no report, no evaluation run first."""
   eval_dir = os.path.join(run_copy, "eval")
   shutil.rmtree(eval_dir, ignore_errors=True)
   with open(eval_dir, "w") as f:  # something that is not a writable directory where the report goes

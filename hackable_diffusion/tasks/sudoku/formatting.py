@@ -1,9 +1,9 @@
 """Sudoku grids <-> text.
 
 The prompt is the 81-cell puzzle in row-major order with '0' for blanks, the completion is the 81
-solution digits (REFERENCE.md §4): both one character per cell, so a character-level tokenizer gives
-exactly one token per cell. People write puzzles in other notations ('.' or '_' blanks, spaces, newlines,
-box separators); `parse_grid` / `parse_puzzle` read all of them, `render_grid` draws a grid for people.
+solution digits (docs/reference.md, "Sudoku benchmark"): both one character per cell, so a character-level
+tokenizer gives exactly one token per cell. People write puzzles in other notations ('.' or '_' blanks, spaces,
+newlines, box separators); `parse_grid` / `parse_puzzle` read all of them, `render_grid` draws a grid for people.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ A puzzle is made in two steps:
 Each puzzle has its own ``numpy.random.Generator`` seeded with ``[seed, index, attempt]``, so the
 output depends only on ``seed`` and the puzzle's index: never on the number of workers or the chunking.
 
-Difficulty follows the reference recipes (REFERENCE.md §4): easy >= 40 givens, medium 30-39, hard < 30.
+Difficulty follows the published recipes (docs/reference.md, "Sudoku benchmark"): easy >= 40 givens,
+medium 30-39, hard < 30.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sudoku metrics as the reference recipes report them (REFERENCE.md §4).
+"""Sudoku metrics as the published recipes report them (docs/reference.md, "Sudoku benchmark").
 
 - solved: the prediction is a valid complete grid (every row, column and box a permutation of 1..9)
   that keeps every given of the puzzle;

@@ -45,7 +45,7 @@ def is_complete_valid(cells) -> bool:
   return all(sorted(u.tolist()) == list(range(1, 10)) for u in units)
 
 
-def bucket_of(givens: int) -> str:  # REFERENCE.md §4, written out independently
+def bucket_of(givens: int) -> str:  # docs/reference.md "Sudoku benchmark", written out independently
   return 'easy' if givens >= 40 else ('medium' if givens >= 30 else 'hard')
 
 

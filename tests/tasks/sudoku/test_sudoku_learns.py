@@ -4,8 +4,8 @@
 fast-compile flags make the Sudoku train step slower) with a smaller budget: 1,500 easy puzzles, STEPS steps of
 32, evaluation of 32 held-out easy puzzles at 16 steps. A model that has learned nothing solves ~0% of easy
 puzzles (guessing ~37 blank cells right at random has probability ~1e-35; the givens are pinned, so copying them
-earns nothing) and gets ~1/9 of the blank cells right. The thresholds below are far above that and below what
-this budget reached when measured: 37.5% solved, 86.6% of blank cells right (170 s on 2 shared cores). The run's
+earns nothing) and gets ~1/9 of the blank cells right. The thresholds below are far above that and well below
+what this budget reaches with its fixed seeds (37.5% solved, 86.6% of blank cells right). The run's
 workdir then feeds `scripts/sudoku_tries.py`, whose first try must reproduce the evaluation's early-stopping run.
 """
 
@@ -34,7 +34,7 @@ def test_short_sudoku_run_solves_easy_puzzles(tmp_path):
       "eval.num_examples": 32, "eval.batch_size": 32, "eval.step_budgets": "(16,)", "eval.early_stopping_steps": 16,
       "eval.ablation_steps": 0, "eval.num_samples": 1,
       # the cooler 0.8 -> 0.4 schedule: the shipped warmer sampler (2.0 -> 0.8) suits the fully trained model but
-      # not one of 100 steps (measured: 9% solved at a constant 1.0 vs 37.5% at 0.8 -> 0.4)
+      # not one of 100 steps (9% solved at a constant 1.0 vs 37.5% at 0.8 -> 0.4)
       "eval.sampling.t_min": 0.4, "eval.sampling.t_max": 0.8,
   }
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
