@@ -1,7 +1,7 @@
 """Export a fine-tuned model for serving: a PEFT adapter or a merged Hugging Face checkpoint.
 
   python -m hackable_diffusion.export --workdir=runs/sudoku --out=DIR --format=peft|merged [--dtype=bfloat16]
-      [--quantize=fp8]
+      [--quantize=fp8|nvfp4|fp8-linear|nvfp4-linear]
       [--step=N] [--base_model=HF_DIR_OR_HUB_ID]
   python -m hackable_diffusion.export --checkpoint=HF_DIR [--adapter=PEFT_DIR] --out=DIR --format=peft|merged
 
@@ -11,7 +11,8 @@ DiffusionGemma directory, optionally with a PEFT adapter on top (e.g. to merge a
 
 `--format=merged` folds the adapters into the weights (each update once; PEFT's `merge_and_unload()` is wrong on
 this model, see docs/lora.md) and writes config.json + safetensors (`--dtype`, default bfloat16) +
-generation_config.json + tokenizer: what transformers and vLLM load. `--format=peft` writes
+generation_config.json + tokenizer: what transformers and vLLM load (`--quantize`: compressed-tensors FP8 or NVFP4,
+`interop.quantized_export`). `--format=peft` writes
 adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained(base, DIR)`; the base is the run's
 `model.checkpoint` (or `--checkpoint`) unless `--base_model` says otherwise.
 
@@ -37,9 +38,12 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", None, ["peft", "merged"], "peft: adapter files; merged: a full checkpoint.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
                            "Storage dtype of a merged checkpoint (adapters are written in float32).")
-_QUANTIZE = flags.DEFINE_enum("quantize", None, ["fp8"], "--format=merged only: write the linear layers in "
-                              "compressed-tensors FP8 (per-channel weight scales, dynamic activations), the format "
-                              "vLLM serves as 'FP8 dynamic'.")
+_QUANTIZE = flags.DEFINE_enum(
+    "quantize", None, ["fp8", "nvfp4", "fp8-linear", "nvfp4-linear"],
+    "--format=merged only: write the attention and dense MLP projections and the experts in compressed-tensors FP8 "
+    "(per-channel weight scales, dynamic activations: vLLM's 'FP8 dynamic') or NVFP4 (weights only); the experts "
+    "one tensor per expert, as vLLM loads them. The '-linear' modes keep the experts dense: what transformers + "
+    "compressed-tensors load.")
 _BASE = flags.DEFINE_string("base_model", None, "base_model_name_or_path recorded in adapter_config.json.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file or directory to include (default: the run's, "
                                  "or the tokenizer files of --checkpoint).")
@@ -120,8 +124,8 @@ def main(argv: list[str]) -> None:
     print(f"wrote a PEFT adapter of {src['what']} (base {_BASE.value or src['base']}) to {_OUT.value}")
   else:
     merged = " (adapters merged)" if has_lora(src["model"]) else ""
-    fp8 = " (linear layers in FP8)" if _QUANTIZE.value else ""
-    print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged}{fp8} to {_OUT.value}")
+    quant = f" (quantized: {_QUANTIZE.value})" if _QUANTIZE.value else ""
+    print(f"wrote a {_DTYPE.value} HF checkpoint of {src['what']}{merged}{quant} to {_OUT.value}")
   for key, value in written.items():
     print(f"  {key}: {value}")
 

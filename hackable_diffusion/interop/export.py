@@ -175,7 +175,8 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   """Writes a full HF checkpoint (`config.json`, safetensors, `generation_config.json`, tokenizer).
 
   Adapters, if any, are folded in first (`lora.merge`). `dtype`: 'bfloat16' (default, serving) or 'float32'.
-  `quantize='fp8'`: the linear layers in compressed-tensors FP8 (`interop.fp8_export`; vLLM's "FP8 dynamic").
+  `quantize`: 'fp8' / 'nvfp4' (attention, dense MLP and experts in compressed-tensors FP8 / NVFP4, the layout vLLM
+  loads) or 'fp8-linear' / 'nvfp4-linear' (experts dense: what transformers loads); `interop.quantized_export`.
   `vision_source`: a HF checkpoint whose vision tower is copied (default: a tiny stub; see `hd.save_pretrained`).
   `overwrite`: allow a non-empty `out_dir` (`check_out_dir`; never a run's workdir or the `vision_source`).
   """

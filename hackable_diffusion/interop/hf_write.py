@@ -1,10 +1,11 @@
 """Writing HF DiffusionGemma checkpoints: `save_pretrained`, a directory transformers' `from_pretrained` loads.
 
-Owns the written layout: `config.json` (our config as transformers' `text_config`, optionally with an FP8
-`quantization_config`, `interop.fp8_export`), every tensor name transformers expects (`interop.names`; kernels
-transposed to torch's `[out, in]`), a vision tower (a tiny stub, or copied from a source checkpoint) so that
-`from_pretrained` reports no missing or unexpected keys, and sharding into `model-0000N-of-0000M.safetensors` with
-an index above `max_shard_size`, each file written atomically (temporary file + rename).
+Owns the written layout: `config.json` (our config as transformers' `text_config`, optionally with a
+compressed-tensors FP8 / NVFP4 `quantization_config`, `interop.quantized_export`), every tensor name transformers
+expects (`interop.names`; kernels transposed to torch's `[out, in]`), a vision tower (a tiny stub, or copied from a
+source checkpoint) so that `from_pretrained` reports no missing or unexpected keys, and sharding into
+`model-0000N-of-0000M.safetensors` with an index above `max_shard_size`, each file written atomically (temporary
+file + rename).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import numpy as np
 from safetensors import flax as safetensors_flax
 from safetensors.numpy import save_file
 
-from hackable_diffusion.errors import CheckpointError, ConfigError
+from hackable_diffusion.errors import CheckpointError
 from hackable_diffusion.files import read_json, write_json
-from hackable_diffusion.interop import fp8_export
+from hackable_diffusion.interop import quantized_export
 from hackable_diffusion.interop.names import hf_name, is_vision, iter_variables
 from hackable_diffusion.interop.safetensors_io import INDEX_NAME, WEIGHTS_NAME, iter_tensors
 from hackable_diffusion.lora.adapters import has_lora
@@ -72,14 +73,16 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
                     quantize: str | None = None) -> None:
   """Writes a directory that transformers' `DiffusionGemmaForBlockDiffusion.from_pretrained` loads.
 
-  `dtype`: storage dtype (default: the model's parameter dtype). `quantize='fp8'`: the linear layers as
-  compressed-tensors FP8 (per-channel weight scales, dynamic activations; `interop.fp8_export`), what vLLM serves
-  as "FP8 dynamic"; everything else in `dtype`. Shards above `max_shard_size` bytes, with an
-  index. `vision_source`: a HF checkpoint whose vision tower and vision config are copied (default: a tiny stub,
-  since transformers always builds a vision tower). Refuses a model whose attention structure the reference
-  cannot run.
+  `dtype`: storage dtype (default: the model's parameter dtype). `quantize`: one of
+  `quantized_export.QUANTIZE_MODES` - 'fp8' / 'nvfp4': the attention and dense MLP projections and the experts
+  (one tensor per expert, the layout vLLM loads) in compressed-tensors FP8 (per-channel scales, dynamic
+  activations: vLLM's "FP8 dynamic") or NVFP4 (weights only); 'fp8-linear' / 'nvfp4-linear': the same with the
+  experts dense (what transformers + compressed-tensors load); everything else in `dtype`. Shards above
+  `max_shard_size` bytes, with an index. `vision_source`: a HF checkpoint whose vision tower and vision config are
+  copied (default: a tiny stub, since transformers always builds a vision tower). Refuses a model whose attention
+  structure transformers cannot run.
   """
-  model = scan.unstack_layers(model, on_host=True)  # layer by layer, as the reference names it; no device copy
+  model = scan.unstack_layers(model, on_host=True)  # layer by layer, as transformers names it; no device copy
   config = model.config
   if has_lora(model):
     raise CheckpointError("the model has LoRA adapters: merge them first (hackable_diffusion.lora.merge, or "
@@ -95,12 +98,11 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   dtype = dtype or config.param_dtype
   if dtype not in _TORCH_DTYPES:
     raise CheckpointError(f"unsupported save dtype {dtype!r}; expected one of {sorted(_TORCH_DTYPES)}")
-  if quantize not in (None, "fp8"):
-    raise ConfigError(f"quantize={quantize!r}; expected None or 'fp8'")
+  qscheme = None if quantize is None else quantized_export.scheme(quantize)  # ConfigError for an unknown mode
   os.makedirs(path, exist_ok=True)
   hf_config = config.to_hf_config(torch_dtype=dtype)
-  if quantize == "fp8":
-    hf_config["quantization_config"] = fp8_export.fp8_quantization_config()
+  if qscheme is not None:
+    hf_config["quantization_config"] = quantized_export.quantization_config(quantize)
   if vision_source is not None:
     src = read_json(os.path.join(vision_source, "config.json"), error=CheckpointError)
     for key in ("vision_config", "boi_token_id", "eoi_token_id", "image_token_id"):
@@ -109,14 +111,21 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   if extra_config:
     hf_config.update(extra_config)
 
+  group_amax: dict[str, float] = {}  # max |w| of each matrix vLLM fuses (NVFP4's shared global scales)
+  if qscheme is not None and qscheme.kind == "nvfp4":
+    for p, var in iter_variables(model):
+      group = quantized_export.fused_group(hf_name(p)[0])
+      if group is not None:
+        amax = float(np.max(np.abs(np.asarray(var[...], np.float32))))
+        group_amax[group] = max(group_amax.get(group, 0.0), amax)
+
   def tensors() -> Iterator[tuple[str, np.ndarray]]:
     for p, var in iter_variables(model):
       name, transpose = hf_name(p)
       value = var[...]
-      if quantize == "fp8" and fp8_export.is_fp8_target(name):
-        weight, scale = fp8_export.quantize_fp8(np.asarray(value.T if transpose else value, np.float32), dtype)
-        yield name, weight
-        yield name + "_scale", scale
+      if qscheme is not None and quantized_export.is_quantized(name, qscheme):
+        dense = np.asarray(value.T if transpose else value, np.float32)
+        yield from quantized_export.quantized_tensors(name, dense, qscheme, dtype, group_amax)
         continue
       yield name, _to_numpy(value.T if transpose else value, dtype)
     if vision_source is not None:

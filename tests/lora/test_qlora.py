@@ -3,7 +3,7 @@ side is in tests/interop/test_qlora_interop.py).
 
 The references are independent of the code under test: the dense value of every quantized weight recomputed in
 numpy from the stored values and scales (the scale broadcast over its own axis and block), compressed-tensors-
-equivalent FP8 quantization (`interop.fp8_export.quantize_fp8`, checked bit for bit against the library in
+equivalent FP8 quantization (`interop.quantized_export.quantize_fp8`, checked bit for bit against the library in
 tests/interop/test_fp8_export.py), and the dense model run with the numpy-dequantized weights.
 """
 
@@ -19,7 +19,7 @@ from hackable_diffusion import lora
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.interop import fp8_export
+from hackable_diffusion.interop import quantized_export
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
 from hackable_diffusion.model.config import get_preset
@@ -210,7 +210,7 @@ def test_dequantized_weights_are_within_half_a_step_of_the_dense_ones(base, quan
 
 
 def test_fp8_matches_compressed_tensors_channel_quantization(base):
-  """qwix's FP8 per-channel quantization against compressed-tensors' (`fp8_export.quantize_fp8`, checked against the
+  """qwix's FP8 per-channel quantization against compressed-tensors' (`quantized_export.quantize_fp8`, checked against the
   library itself): the scales `max|row| / 448` agree to one float32 ulp (qwix's division may round differently)
   and so the float8 values are the same, except (rarely) a value on a rounding boundary, one float8 step away."""
   model = qlora.quantize_base(nnx.clone(base), qlora.QuantizationSpec(mode="fp8"))
@@ -218,7 +218,7 @@ def test_fp8_matches_compressed_tensors_channel_quantization(base):
   for path, m in qlora.quantization_targets(model):
     if isinstance(m, qlora.QuantizedLinear):
       dense = _weight(base, (*path, "kernel")).T  # torch layout [out, in]
-      values, scale = fp8_export.quantize_fp8(dense, "float32")
+      values, scale = quantized_export.quantize_fp8(dense, "float32")
       np.testing.assert_allclose(np.asarray(m.kernel_scale[...]).T, scale, rtol=2.4e-7, atol=0)
       ours = np.asarray(qlora.typed(m.kernel[...], m.qtype)).T.astype(np.float32)
       theirs = values.astype(np.float32)
@@ -339,7 +339,7 @@ def _step_arguments(mode: str) -> int:
   return compiled.memory_analysis().argument_size_in_bytes
 
 
-@pytest.mark.slow  # three real-width-ish compiles (~100 s); test_qlora_experts.py checks the per-expert growth
+@pytest.mark.slow  # three real-width-ish compiles; test_qlora_experts.py checks the per-expert growth
 def test_compiled_step_holds_less_with_a_quantized_base():
   """The compiled step's arguments (base + adapters + Adam state + batch): a bf16 base > FP8 > int4 (measured at
   hidden 128: 1.73 / 1.01 / 0.64 MiB; the embedding, norms and router stay bf16 in all three)."""
