@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("evaluation",),
     ("training",),
     ("cli",),
-    ("train", "evaluate", "sample", "export"),
+    ("train", "evaluate", "sample", "export", "console"),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -65,14 +65,16 @@ def venv(tmp_path_factory):
   empty.mkdir()
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   env.update(JAX_PLATFORMS="cpu", PYTHONNOUSERSITE="1")
-  return python, str(empty), env, str(root / "venv")
+  scripts = os.path.join(own_site, "bin")  # pip --target puts the console scripts here
+  return python, str(empty), env, str(root / "venv"), scripts
 
 
 def test_wheel_runs_the_shipped_config_and_the_api_outside_the_repo(venv):
-  python, cwd, env, prefix = venv
+  python, cwd, env, prefix, scripts = venv
   where = run([python, "-c", "import hackable_diffusion as hd; print(hd.__file__)"], cwd=cwd, env=env).stdout
   assert where.strip().startswith(prefix), where  # the installed wheel, not this checkout
-  res = run([python, "-m", "hackable_diffusion.train", "--config=sudoku.py", "--workdir=sudoku_run", "--no_progress",
+  # the console script hd-train is `python -m hackable_diffusion.train`
+  res = run([os.path.join(scripts, "hd-train"), "--config=sudoku.py", "--workdir=sudoku_run", "--no_progress",
              "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_at_end=false",
              "--config.data.generator_args.num_train=32", "--config.data.generator_args.num_validation=4",
              "--config.data.generator_args.num_test=4", "--config.train.batch_size=8"], cwd=cwd, env=env)
@@ -94,3 +96,16 @@ def test_wheel_runs_the_shipped_config_and_the_api_outside_the_repo(venv):
   """)
   res = run([python, "-c", script], cwd=cwd, env=env)
   assert '{"step": 2}' in res.stdout and '{"shipped": "digits"}' in res.stdout, res.stdout
+
+
+def test_wheel_installs_the_console_scripts(venv):
+  python, cwd, env, _, scripts = venv
+  for name in ("hd-train", "hd-evaluate", "hd-sample", "hd-export", "hd-import-sudoku"):
+    assert os.access(os.path.join(scripts, name), os.X_OK), sorted(os.listdir(scripts))
+  grid = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79"
+  with open(os.path.join(cwd, "puzzles.txt"), "w", encoding="utf-8") as f:
+    f.write(grid + "\n")
+  res = run([os.path.join(scripts, "hd-import-sudoku"), "--input=puzzles.txt", "--out=mine.jsonl"], cwd=cwd, env=env)
+  assert "1 puzzles" in res.stdout and "1 solved here" in res.stdout, res.stdout
+  res = run([os.path.join(scripts, "hd-export"), "--helpshort"], cwd=cwd, env=env)
+  assert "--format" in res.stdout, res.stdout
