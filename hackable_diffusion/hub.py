@@ -1,6 +1,6 @@
 """A model argument -> a local directory: a folder as given, or a Hugging Face Hub id resolved by `huggingface_hub`.
 
-`resolve_model_path("google/diffusiongemma-26b-a4b")` looks in the local Hugging Face cache first and downloads
+`resolve_model_path("google/diffusiongemma-26B-A4B-it")` looks in the local Hugging Face cache first and downloads
 only what is missing (the weights, config and tokenizer files; never the other files of the repository). With
 `HF_HUB_OFFLINE=1` nothing is downloaded: a cached snapshot resolves, anything else is a one-line
 `CheckpointError`. Nothing here touches the network unless the argument is a Hub id that is not cached.

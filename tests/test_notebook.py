@@ -58,7 +58,7 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
 def test_finetune_and_export_notebook(tmp_path, monkeypatch):
   nb, text = execute("finetune_and_export.ipynb", tmp_path, monkeypatch)
   check_common_cells(nb)
-  assert "USE_RELEASE = False" in "".join(c.source for c in nb.cells) and "google/diffusiongemma-26b-a4b" in "".join(
+  assert "USE_RELEASE = False" in "".join(c.source for c in nb.cells) and "google/diffusiongemma-26B-A4B-it" in "".join(
       c.source for c in nb.cells)
   diffs = dict(re.findall(r"'(peft|merged)': '([0-9.e+-]+)'", text))
   assert float(diffs["peft"]) <= 1e-4 and float(diffs["merged"]) <= 1e-4, diffs

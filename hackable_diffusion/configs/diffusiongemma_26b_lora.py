@@ -1,7 +1,7 @@
 """LoRA fine-tuning of the released DiffusionGemma 26B-A4B on any SFT JSONL, on one 80 GB GPU.
 
   python -m hackable_diffusion.train --config=configs/diffusiongemma_26b_lora.py --workdir=runs/dg26b_lora \
-      --config.model.checkpoint=/path/to/diffusiongemma-26b-a4b --config.data.train_path=train.jsonl
+      --config.model.checkpoint=google/diffusiongemma-26B-A4B-it --config.data.train_path=train.jsonl
 
 The SFT recipe of the gemma JAX repository's `gemma/diffusion/` (docs/reference.md, "Training recipe"): LoRA rank
 8 on all linear layers, batch 8, 2,000 steps, lr 1.5e-4 warmed up over 100 steps and cosine-decayed to 1.5e-5,
@@ -26,7 +26,7 @@ from hackable_diffusion.configs import base
 def get_config() -> ml_collections.ConfigDict:
   config = base.get_config()
   # a HF DiffusionGemma directory (config.json + safetensors), loaded in the dtype it was saved in (bf16)
-  config.model.update(preset="", checkpoint="checkpoints/diffusiongemma-26b-a4b")
+  config.model.update(preset="", checkpoint="google/diffusiongemma-26B-A4B-it")
   config.model.overrides = ml_collections.ConfigDict(dict(
       remat="nothing_saveable",  # keep only each layer's input for the backward pass (model/remat.py)
       scan_layers=True,  # one scan over the 5 groups of 6 layers (model/scan.py): 1/5 of the compile
