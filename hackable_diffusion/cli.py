@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from hackable_diffusion.errors import USER_ERRORS, ConfigError
 from hackable_diffusion.model.config import ModelConfig
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 VERBOSE_FLAG = "verbose"

@@ -39,10 +39,10 @@ def main(argv: list[str]) -> None:
   if not os.path.isdir(_WORKDIR.value):
     raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
   from hackable_diffusion import sharding
+  from hackable_diffusion.sharding import is_main_process
   from hackable_diffusion.evaluation import loop
-  from hackable_diffusion.training import run as run_lib
-  from hackable_diffusion.training import workdir as workdir_lib
-  from hackable_diffusion.training.logging import is_main_process
+  from hackable_diffusion.runs import run as run_lib
+  from hackable_diffusion.runs import workdir as workdir_lib
 
   out_dir = _OUT.value or os.path.join(_WORKDIR.value, run_lib.EVAL_DIR)
   # the report is written at the end: a read-only run (or --out) is a one-line error now, not after evaluating

@@ -54,9 +54,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Allow a non-empty --out (the
 def check_out(out: str, *, workdir: str | None = None, sources: tuple[str, ...] = (), overwrite: bool = False) -> None:
   """Refuses (one-line ConfigError, nothing written) an `--out` that would damage a run or a source, or replace
   files without `overwrite`: `workdir` or a directory inside it, a `sources` directory (`--checkpoint`,
-  `--adapter`) or inside one, any run's workdir (`training.run.is_run_workdir`), then `check_out_dir`'s rules."""
+  `--adapter`) or inside one, any run's workdir (`runs.run.is_run_workdir`), then `check_out_dir`'s rules."""
   from hackable_diffusion.interop import export as export_lib
-  from hackable_diffusion.training import run as run_lib
+  from hackable_diffusion.runs import run as run_lib
 
   if workdir and export_lib.is_within(out, workdir):
     raise ConfigError(f"--out={out} is inside the run being exported (--workdir={workdir}); exporting there would "
@@ -77,7 +77,7 @@ def _source() -> dict:
     if not os.path.isdir(_WORKDIR.value):
       raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
     from hackable_diffusion.data.tokenizer import find_tokenizer_file
-    from hackable_diffusion.training import run as run_lib
+    from hackable_diffusion.runs import run as run_lib
 
     run = run_lib.load_run(_WORKDIR.value, step=_STEP.value)
     cfg = run.config

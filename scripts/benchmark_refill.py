@@ -177,7 +177,7 @@ def run_case(workdir: str, examples: int, cap: int = 0, t_max: float = 0.0, t_mi
   """A trained run's evaluation examples, start canvases, allowed tokens and early-stopping sampler (its step cap
   `cap`, temperatures `t_max` -> `t_min` and `confidence_threshold`; 0: the run's own)."""
   from hackable_diffusion.evaluation import loop as eval_loop
-  from hackable_diffusion.training import run as run_lib
+  from hackable_diffusion.runs import run as run_lib
 
   run = run_lib.load_run(workdir)
   cfg, model, tok = run.config, run.model, run.tokenizer

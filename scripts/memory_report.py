@@ -100,7 +100,7 @@ def abstract_model(cfg, lora: bool, quantization: str = "none"):
   def build():
     model = DiffusionGemma(cfg, rngs=nnx.Rngs(0))
     model = apply_lora(model, config, rngs=nnx.Rngs(1)) if lora else model
-    return scan.stack_layers(model) if cfg.scan_layers else model  # what a run does (training/run.py)
+    return scan.stack_layers(model) if cfg.scan_layers else model  # what a run does (runs/run.py)
   return nnx.eval_shape(build)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from hackable_diffusion.errors import ConfigError, HackableDiffusionError
 from hackable_diffusion.evaluation import loop
 from hackable_diffusion.tasks.sudoku import metrics
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ import time
 import pytest
 
 from hackable_diffusion.errors import CheckpointError, DataError
-from hackable_diffusion.training import checkpointing
+from hackable_diffusion.runs import checkpoints
 from hackable_diffusion import cli as cli_lib
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.training import logging as log_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +189,7 @@ def killed_and_resumed(env, tmp_path_factory):
       proc.kill()
   assert proc.returncode == -signal.SIGKILL
   # the killed workdir is loadable: its latest complete checkpoint restores
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   at_kill = ckpt.latest_step()
   assert at_kill is not None and at_kill >= seen and at_kill < STEPS
   assert run_lib.load_run(workdir).step == at_kill
@@ -203,7 +203,7 @@ def test_sigkill_then_resume_finishes(killed_and_resumed):
   assert f"done: {workdir}" in res.stdout
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["model"]["overrides"] == {"canvas_length": 8, "scan_layers": False}
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   assert ckpt.latest_step() == STEPS
   steps = [r["step"] for r in log_lib.read_metrics(workdir) if "train/loss" in r]
   assert steps == list(range(25, STEPS + 1, 25))  # the lost tail was dropped, nothing duplicated

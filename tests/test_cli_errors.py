@@ -3,8 +3,8 @@
 - A broken config file (syntax error, an exception while it runs, no `get_config`) is named with its line before
   absl / ml_collections load it (in-process through `cli.prepare_argv`, and as `train` / `evaluate` print it).
 - Every CLI takes `--verbose`: the same line, then the traceback.
-- `sample` refuses a prompt training would refuse: longer than `data.max_prompt_length` tokens, or on a Sudoku run
-  not an 81-cell puzzle (in-process, with a character tokenizer).
+- `sample`'s refusal of a prompt training would refuse is tested on its library function in
+  tests/runs/test_sampling.py, and through the CLI in tests/test_sample_cli.py.
 `export`'s refusal to overwrite is tested with a model in tests/interop/test_export.py.
 
 Only this module imports `hackable_diffusion.sample` in-process (its flags would clash with those of
@@ -22,7 +22,7 @@ import pytest
 
 from hackable_diffusion import cli as cli_lib
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,54 +103,3 @@ def test_every_cli_prints_one_line_and_with_verbose_the_traceback(module, args, 
   assert "Traceback (most recent call last):" in loud.stderr and len(lines) > 3, loud.stderr[-3000:]
   assert lines[-1].startswith("hackable_diffusion.errors.ConfigError: "), lines[-1]
   assert not (broken_configs / "w").exists() and not (broken_configs / "o").exists()
-
-
-# ---- sample: prompts are checked as training checks them ----------------------------------------------------------
-class CharTokenizer:
-  """One token per character (ids 3..), as the char tokenizer of the tiny and Sudoku runs; 0 pad, 1 unk, 2 bos."""
-
-  pad_id, unk_id, bos_id, eos_id = 0, 1, 2, -1
-
-  def encode(self, text: str) -> list[int]:
-    return [3 + ord(c) if c.isprintable() else self.unk_id for c in text]
-
-
-def _run_config(name: str, **overrides):
-  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(name, overrides))
-
-
-def test_sample_refuses_prompts_training_would_refuse(capsys):
-  from hackable_diffusion import sample as sample_lib
-
-  tok = CharTokenizer()
-  sudoku = _run_config("sudoku.py")
-  puzzle = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
-  assert len(puzzle) == 81
-  assert sample_lib.encode_prompt(tok, puzzle, sudoku) == tok.encode(puzzle)
-  dotted = puzzle.replace("0", ".")
-  grid = "\n".join(" ".join(dotted[r * 9:(r + 1) * 9]) for r in range(9))  # '.' blanks and whitespace: same cells
-  assert sample_lib.encode_prompt(tok, grid, sudoku) == tok.encode(puzzle)
-  for bad, why in (("1234567890123", r"\(13 characters\) is not a Sudoku puzzle: expected 81 cells .*got 13"),
-                   ("1" * 123, r"\(123 characters\) is not a Sudoku puzzle: expected 81 cells .*got 123"),
-                   (puzzle[:-1] + "x", r"is not a Sudoku puzzle: invalid character 'x' at position 80")):
-    with pytest.raises(ConfigError, match=r"^prompt '.*' (\(81 characters\) )?" + why) as err:
-      sample_lib.encode_prompt(tok, bad, sudoku)
-    assert "\n" not in str(err.value)
-  with pytest.raises(ConfigError, match="13 characters"):  # sample() checks every prompt before using the model
-    sample_lib.sample(None, tok, [puzzle, "1234567890123"], sudoku, seed=0)
-
-  tiny = _run_config("tiny.py")  # digits task, data.max_prompt_length=8, on_overlength='error'
-  assert sample_lib.encode_prompt(tok, "5895382", tiny) == tok.encode("5895382")
-  with pytest.raises(ConfigError, match=r"^the prompt is 9 tokens, longer than the run's "
-                     r"data\.max_prompt_length=8 \(training refuses such prompts\); shorten it$"):
-    sample_lib.encode_prompt(tok, "123456789", tiny)
-  with_bos = _run_config("tiny.py", **{"data.add_bos": True})
-  with pytest.raises(ConfigError, match=r"is 10 tokens"):  # bos and chat template count, as in training
-    sample_lib.encode_prompt(tok, "123456", with_bos, chat_template="[{prompt}]x")
-  with pytest.raises(ConfigError, match="max_prompt_length=8"):
-    sample_lib.sample(None, tok, ["123456789"], tiny, seed=0)
-  truncating = _run_config("tiny.py", **{"data.on_overlength": "truncate"})
-  assert sample_lib.encode_prompt(tok, "123456789", truncating) == tok.encode("23456789")  # training keeps the end
-  assert "keeping the last 8" in capsys.readouterr().err
-  # without a run (a HF checkpoint) there are no run limits
-  assert sample_lib.encode_prompt(tok, "1" * 123, None) == tok.encode("1" * 123)

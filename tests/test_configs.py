@@ -16,8 +16,8 @@ import pytest
 from hackable_diffusion.evaluation import loop
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion import cli
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(config_lib.CONFIGS_DIR, "*.py")))

@@ -32,7 +32,8 @@ FORBIDDEN: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a review round", re.compile(r"\breview " + "mend", re.IGNORECASE)),
 )
 
-SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".venv", "venv", "runs"}
+SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".venv", "venv"}
+ROOT_SKIP_DIRS = {"runs"}  # training outputs (`--workdir=runs/NAME`); the package's own runs/ is source
 README_MAX_LINE = 200
 README_MAX_LINES = 120
 
@@ -50,7 +51,8 @@ def _tracked_files() -> list[str]:
         return files
   found = []  # no git or no checkout: every file of the tree, minus VCS / build / cache directories
   for dirpath, dirnames, filenames in os.walk(ROOT):
-    dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+    dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")
+                   and not (dirpath == ROOT and d in ROOT_SKIP_DIRS)]
     for name in filenames:
       found.append(os.path.relpath(os.path.join(dirpath, name), ROOT).replace(os.sep, "/"))
   return found

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("interop",),
     ("tasks",),
     ("evaluation",),
+    ("runs",),
     ("training",),
     ("cli",),
     ("train", "evaluate", "sample", "export", "console"),
@@ -84,6 +85,29 @@ def test_no_upward_import():
   upward = sorted(f"{m} (layer {_layer(m)}) imports {i} (layer {_layer(i)})" for m, deps in GRAPH.items()
                   for i in deps if _layer(m) is not None and _layer(i) is not None and _layer(i) > _layer(m))
   assert not upward, "\n".join(upward)
+
+
+# Evaluation, sampling and export read a run through `runs`; they never reach into training (not even through
+# another module): a change to the trainer cannot break them, and they run where training's dependencies are absent.
+NOT_THROUGH_TRAINING = ("hackable_diffusion.evaluation", "hackable_diffusion.sampling", "hackable_diffusion.runs",
+                        "hackable_diffusion.sample", "hackable_diffusion.evaluate", "hackable_diffusion.export")
+
+
+def _reachable(module: str) -> set[str]:
+  seen, todo = set(), [module]
+  while todo:
+    for dep in GRAPH.get(todo.pop(), ()):
+      if dep not in seen:
+        seen.add(dep)
+        todo.append(dep)
+  return seen
+
+
+def test_evaluation_sampling_and_export_never_import_training():
+  roots = sorted(m for m in GRAPH if any(m == r or m.startswith(r + ".") for r in NOT_THROUGH_TRAINING))
+  assert "hackable_diffusion.runs.run" in roots and "hackable_diffusion.sample" in roots
+  bad = sorted(f"{m} -> {i}" for m in roots for i in _reachable(m) if i.startswith("hackable_diffusion.training"))
+  assert not bad, "\n".join(bad)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 from absl import flags
 
-from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.evaluation import loop as eval_loop
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
+from hackable_diffusion.runs import sampling
 from hackable_diffusion.tasks.sudoku import formatting, metrics
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 STEPS = 2
@@ -116,6 +116,13 @@ def test_sample_solves_a_dotted_puzzle_as_evaluation_does(sudoku_run, loaded_run
   assert verdict.startswith("valid: " if ok else "not valid: "), verdict
   assert "[canvas 0 step   1]" in err  # --live printed the canvas converging
 
+  # the library function under the CLI, called from Python: the same answer, rendered by the task as printed
+  task = sampling.resolve_task(cfg)
+  samples = sampling.sample(run.model, run.tokenizer, [dotted], cfg, seed=cfg.eval.seed, example_index=b)
+  assert samples.prompts == [data.examples[b].prompt]  # the task's parse_prompt: '0' blanks, as in the data
+  assert np.array_equal(metrics.parse_prediction(samples.completions[0]), expected[b])
+  assert sampling.render(task, samples) == "\n".join(lines)
+
   # interactive, the other batch's key: the puzzle pasted as a rendered grid with '_' blanks (11 lines, read until
   # they hold 81 cells), then an empty line: evaluation's first answer
   pasted = formatting.render_grid(formatting.parse_grid(data.examples[0].prompt), blank="_").split("\n")
@@ -174,35 +181,6 @@ def test_checkpoint_with_task_sudoku_and_dtype(sudoku_run, loaded_run, sample_cl
   answer = formatting.parse_grid("\n".join(out.split("\n")[:11]))  # a grid of digits 1-9 only
   given = formatting.parse_grid(puzzle)
   assert (answer >= 1).all() and np.array_equal(answer[given > 0], given[given > 0]), out  # givens pinned
-
-
-class CharTokenizer:
-  """One token per character (ids 3..); 0 pad, 1 unk, 2 bos."""
-
-  pad_id, unk_id, bos_id, eos_id = 0, 1, 2, -1
-
-  def encode(self, text: str) -> list[int]:
-    return [3 + ord(c) for c in text]
-
-
-def test_infill_canvas_pins_the_text_and_frees_the_placeholders():
-  from hackable_diffusion import sample as sample_lib
-
-  tok = CharTokenizer()
-  ids, pins = sample_lib.infill_canvas(tok, "ab__c", placeholder="_", num_tokens=8, vocab_size=7, rows=2,
-                                       pinned=True, seed=0)
-  assert ids.shape == pins.shape == (2, 8) and ids.dtype == np.int32
-  assert pins[0].tolist() == [True, True, False, False, True, False, False, False]
-  assert ids[0, [0, 1, 4]].tolist() == tok.encode("abc") and (ids[0, pins[0] == 0] < 7).all()  # noise elsewhere
-  assert np.array_equal(ids[0], ids[1]) and np.array_equal(pins[0], pins[1])
-  ids2, pins2 = sample_lib.infill_canvas(tok, "ab##c", placeholder="#", num_tokens=8, vocab_size=7, rows=1,
-                                         pinned=False, seed=0)
-  assert not pins2.any() and np.array_equal(ids2[0], ids[0])  # --nopinned: the same start, nothing pinned
-  with pytest.raises(ConfigError, match=r"--seed_canvas is 9 tokens, more than the 8"):
-    sample_lib.infill_canvas(tok, "abc______", placeholder="_", num_tokens=8, vocab_size=7, rows=1, pinned=True,
-                             seed=0)
-  with pytest.raises(ConfigError, match=r"--placeholder='__': expected one character"):
-    sample_lib.infill_canvas(tok, "a", placeholder="__", num_tokens=8, vocab_size=7, rows=1, pinned=True, seed=0)
 
 
 def test_infilling_keeps_the_pinned_text(sudoku_run, sample_cli, capsys):

@@ -256,7 +256,7 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
     if len(pt) > P:
       if not truncate:
         f, n = sources[i]
-        fix = ("the model's attention structure reads exactly that many prompt tokens (e.g. one per Sudoku cell, "
+        fix = ("the model's attention structure reads exactly that many prompt tokens (e.g. one per grid cell, "
                "no separators)" if config.min_prompt_length == P else
                "raise max_prompt_length or set on_overlength='truncate'")
         raise DataError(f'{f}:{n}: prompt is {len(pt)} tokens, longer than max_prompt_length={P}; {fix}')

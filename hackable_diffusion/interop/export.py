@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
 MERGED_DTYPES = ("bfloat16", "float32", "float16")
 # SamplingConfig fields that only steer our implementation (transformers has no such setting).
 _OURS_ONLY = ("prompt_length_buckets", "canvas_length", "early_stopping")
-# What marks a directory written by `hackable_diffusion.train` (training.checkpointing.CHECKPOINT_DIR and
+# What marks a directory written by `hackable_diffusion.train` (runs.checkpoints.CHECKPOINT_DIR and
 # training.logging.METRICS_FILENAME; named here because interop sits below training in the import graph).
 RUN_WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl")
 

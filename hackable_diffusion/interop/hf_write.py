@@ -93,7 +93,7 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   if config.attention_structure is not None:
     raise CheckpointError(
         f"model uses attention_structure={config.attention_structure!r}, which transformers/vLLM cannot run; "
-        "export a pure-architecture model (configs/sudoku_pure.py) instead"
+        "export a pure-architecture model (a config without one, e.g. a shipped configs/*_pure.py) instead"
     )
   dtype = dtype or config.param_dtype
   if dtype not in _TORCH_DTYPES:

@@ -1,14 +1,14 @@
 """Task-provided attention structure: an optional, hackable restriction of canvas-to-canvas attention.
 
 Not part of the DiffusionGemma architecture (a model using one cannot be exported to transformers/vLLM). At CPU
-budgets it decides results on structured tasks: a Sudoku denoiser whose heads only see each cell's
-row/column/box peers learns an order of magnitude faster than one with plain attention (see docs/sudoku.md).
+budgets it decides results on structured tasks: a puzzle denoiser whose heads only see each cell's
+row/column/box peers learns an order of magnitude faster than one with plain attention (docs/sudoku.md).
 
 A structure is a function `(config: ModelConfig) -> bool array [heads or 1, canvas, P + canvas]` (True = may
 attend) living in any importable module; the last `canvas` columns restrict canvas-to-canvas attention, the first
 `P` (none by default) the canvas's view of the first `P` cache slots (the prompt, when every prompt has the same
-fixed layout, as a Sudoku grid does); `ModelConfig.attention_structure` names it as 'package.module:function' (e.g.
-'hackable_diffusion.tasks.sudoku.structure:peer_mask', what `SudokuTask().attention_structure()` returns). The
+fixed layout, as a puzzle grid does); `ModelConfig.attention_structure` names it as 'package.module:function' (what
+a task's `attention_structure()` returns, e.g. a module of its own package under `tasks/`). The
 model knows no task: the spec is imported on use and its result validated (shape, no position left without a key).
 The decoder applies the mask in every layer; cache slots past `P` (and all of them when `P` is 0) stay visible as
 the prompt's own mask says.
@@ -27,22 +27,16 @@ from hackable_diffusion.errors import ConfigError
 StructureFn = Callable[[Any], np.ndarray]
 
 FIELD = "ModelConfig.attention_structure"
-# Short names of an earlier version, kept only to say what to write instead (they resolve to nothing).
-_RENAMED = {
-    "sudoku_peers": "hackable_diffusion.tasks.sudoku.structure:peer_mask",
-    "sudoku_peers_per_head": "hackable_diffusion.tasks.sudoku.structure:per_head_peer_mask",
-}
 
 
 def check_spec(spec: str | None) -> None:
   """A one-line `ConfigError` unless `spec` is None or has the form 'package.module:function' (imports nothing)."""
   if spec is None:
     return
-  if spec in _RENAMED:
-    raise ConfigError(f"{FIELD}={spec!r} is no longer a built-in name; write {_RENAMED[spec]!r}")
   if not specs.is_spec(spec):
     raise ConfigError(f"{FIELD}={spec!r}: expected None or 'package.module:function' returning a "
-                      "[heads|1, canvas, canvas] bool mask")
+                      "[heads|1, canvas, canvas] bool mask (a task's own structure: what its "
+                      "attention_structure() returns)")
 
 
 def get_structure(spec: str) -> StructureFn:

@@ -176,6 +176,11 @@ def first_failure(message: str | None) -> tuple[int, str] | None:
   return None
 
 
+def is_main_process() -> bool:
+  """Whether this is process 0 of the job (the one that writes files and prints); True with one process."""
+  return jax.process_index() == 0
+
+
 def process_values(value: int) -> list[int]:
   """Every process's integer `value`, in process order (one all-gather; `[value]` in a single process)."""
   if jax.process_count() == 1:

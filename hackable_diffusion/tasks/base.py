@@ -17,6 +17,11 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 - `attention_structure()` -> the task's own canvas attention structure as a 'package.module:function' spec for
   `ModelConfig.attention_structure` (None: plain attention), e.g. Sudoku's row/column/box peers.
 
+Sampling a prompt someone typed (`runs.sampling`, `python -m hackable_diffusion.sample`) uses three more optional
+hooks (`parse_prompt`, `prompt_complete`, `render`; module functions of the same names apply their defaults to a
+task without them): the typed text as the task writes prompts in its data (a one-line `ConfigError` for one it
+could not be), whether an interactive prompt needs more lines, and a completion as shown to a person.
+
 `primary_metric` names the metric plotted against the denoising-step budget. `reference_scores` (optional, `{}` if
 absent) are metric values a reference completion must get as its own prediction, e.g. Sudoku's
 `{'solved_rate': 1.0}`: a reference that breaks the rules or changes a given is then an error naming its line,
@@ -112,6 +117,37 @@ class BaseTask:
   def attention_structure(self) -> str | None:
     """Plain attention: the task brings no canvas attention structure."""
     return None
+
+  def parse_prompt(self, text: str) -> str:
+    """The typed prompt as the task's data writes it: as is."""
+    return text
+
+  def prompt_complete(self, text: str) -> bool:
+    """Whether an interactive prompt is whole (False: read another line): one line is."""
+    return True
+
+  def render(self, completion: str, record: EvalRecord) -> str:
+    """The completion as shown to a person (`record`: the parsed prompt, no reference): as is."""
+    return completion
+
+
+# ---- the optional sampling hooks, with BaseTask's defaults for a task that lacks them ---------------------------
+def parse_prompt(task: Task | None, text: str) -> str:
+  """`task.parse_prompt(text)` (as is without a task or the hook)."""
+  hook = getattr(task, "parse_prompt", None)
+  return hook(text) if callable(hook) else text
+
+
+def prompt_complete(task: Task | None, text: str) -> bool:
+  """`task.prompt_complete(text)` (True without a task or the hook)."""
+  hook = getattr(task, "prompt_complete", None)
+  return bool(hook(text)) if callable(hook) else True
+
+
+def render(task: Task | None, completion: str, record: EvalRecord) -> str:
+  """`task.render(completion, record)` (the completion without a task or the hook)."""
+  hook = getattr(task, "render", None)
+  return hook(completion, record) if callable(hook) else completion
 
 
 # ---- metric helpers --------------------------------------------------------------------------------------------
@@ -210,4 +246,5 @@ def get_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
 
 
 __all__ = ["BUILTIN_TASKS", "BaseTask", "DATA_SPEC_FILE", "EvalRecord", "TASK_METHODS", "Task", "char_accuracy",
-           "check_lengths", "data_spec_matches", "exact_match", "get_task", "write_data_spec", "write_jsonl_splits"]
+           "check_lengths", "data_spec_matches", "exact_match", "get_task", "parse_prompt", "prompt_complete",
+           "render", "write_data_spec", "write_jsonl_splits"]

@@ -1,1 +1,1 @@
-"""Training: optimizer, pure train/eval steps, checkpointing, logging, and the SFTTrainer."""
+"""Training: optimizer, pure train/eval steps, logging, and the SFTTrainer (the run itself: `runs`)."""

@@ -21,18 +21,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 import tqdm
 
 from hackable_diffusion.errors import TrainingError
+from hackable_diffusion.sharding.mesh import is_main_process
 
 METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-
-
-def is_main_process() -> bool:
-  return jax.process_index() == 0
 
 
 def _to_float(v: Any) -> float:
@@ -217,4 +213,4 @@ class Progress:
     self._bar.close()
 
 
-__all__ = ["METRICS_FILENAME", "MetricWriter", "Progress", "TENSORBOARD_DIR", "is_main_process", "read_metrics"]
+__all__ = ["METRICS_FILENAME", "MetricWriter", "Progress", "TENSORBOARD_DIR", "read_metrics"]

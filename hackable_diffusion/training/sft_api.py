@@ -8,7 +8,7 @@
     trainer.train(); trainer.evaluate()
     trainer.save_adapter("out/adapter"); trainer.export("out/merged")
 
-The arguments become the experiment config of `training/config.py` (`SFTConfig.experiment_sections` plus the
+The arguments become the experiment config of `runs/config.py` (`SFTConfig.experiment_sections` plus the
 model, data and task below), written as `output_dir/config.json` like a CLI run's, and `training.trainer.SFTTrainer`
 runs it: same checkpoints, resume, evaluation and errors. `SFTTrainer.from_config(file_or_dict, output_dir)` takes a
 config file (`sudoku.py`, a path, or a ConfigDict) instead - the CLI's input.
@@ -43,8 +43,8 @@ from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.interop.hf import save_pretrained
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 from hackable_diffusion.training.sft_config import SFTConfig
 

@@ -1,7 +1,7 @@
 """`SFTConfig`: the flat, validated settings of `hd.SFTTrainer`, mapped onto the experiment config of the CLI.
 
 TRL users know these names (`max_steps`, `learning_rate`, `warmup_steps`, `gradient_accumulation_steps`, ...).
-`SFTConfig.experiment_sections()` turns them into the sections of `training/config.py` (the same dict a config
+`SFTConfig.experiment_sections()` turns them into the sections of `runs/config.py` (the same dict a config
 file produces), so the Python API and `python -m hackable_diffusion.train` run one trainer on one config format.
 
 Defaults that remove the traps of writing the nested config by hand: the learning-rate schedule lasts
@@ -124,7 +124,7 @@ class SFTConfig:
     return dataclasses.replace(self, **changes)
 
   def experiment_sections(self) -> dict[str, Any]:
-    """The config sections of `training/config.py` these settings mean, except `model`, `tokenizer.path`,
+    """The config sections of `runs/config.py` these settings mean, except `model`, `tokenizer.path`,
     `data`'s paths and `eval.task` (which depend on the trainer's model, data and task arguments)."""
     lora = {"enabled": False} if self.lora is None else {"enabled": True, "seed": self.lora_seed,
                                                         **dataclasses.asdict(self.lora)}

@@ -2,7 +2,7 @@
 
 The math lives elsewhere: the loss in `diffusion/loss.py`, the pure `(state, batch, key) -> (state, metrics)`
 step in `training/step.py`, the optimizer in `training/optimizer.py`; building the run's pieces from its config
-and the workdir layout in `training/run.py`. This module trains, and nothing else.
+and the workdir layout in `runs/run.py`. This module trains, and nothing else.
 
 Setup is one path: the model as shapes (`run.build_abstract_model`) -> the train state's shardings (none without
 a mesh) -> the state materialised by restoring the latest checkpoint of the workdir, or by loading the base
@@ -51,11 +51,12 @@ from hackable_diffusion import sharding
 from hackable_diffusion.data.sft import make_sft_dataset
 from hackable_diffusion.errors import TrainingError
 from hackable_diffusion.evaluation import loop as eval_loop
-from hackable_diffusion.training import run as run_lib
-from hackable_diffusion.training import workdir as workdir_lib
-from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer
-from hackable_diffusion.training.config import ExperimentConfig
-from hackable_diffusion.training.logging import MetricWriter, Progress, is_main_process
+from hackable_diffusion.runs import run as run_lib
+from hackable_diffusion.runs import workdir as workdir_lib
+from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer
+from hackable_diffusion.runs.config import ExperimentConfig
+from hackable_diffusion.sharding.mesh import is_main_process
+from hackable_diffusion.training.logging import MetricWriter, Progress
 from hackable_diffusion.training.optimizer import make_optimizer, master_dtype
 from hackable_diffusion.training.step import (TrainState, abstract_train_state, init_train_state,
                                               init_train_state_sharded, make_train_step, master_params,
@@ -98,9 +99,9 @@ class SFTTrainer:
   `train.eval_every` steps and at the end, and returns the last logged metrics.
 
   Args:
-    config: an `ExperimentConfig` or a ConfigDict/dict with the sections of `training/config.py`.
+    config: an `ExperimentConfig` or a ConfigDict/dict with the sections of `runs/config.py`.
     workdir: the run directory (created; checked, locked and compared with its stored config.json before anything
-      is written, see `training/workdir.py`; `close()` releases the lock).
+      is written, see `runs/workdir.py`; `close()` releases the lock).
     progress: show the tqdm bar (default: on process 0).
   """
 
@@ -112,7 +113,7 @@ class SFTTrainer:
     self.workdir = workdir = os.path.abspath(workdir)
     self._progress_enabled = progress
     # before anything is written: data paths, workdir writable, the workdir lock (process 0), resume
-    # compatibility with the stored config.json; then config.json (versioned). See training/workdir.py.
+    # compatibility with the stored config.json; then config.json (versioned). See runs/workdir.py.
     self._lock = workdir_lib.open_workdir(cfg, workdir)
     try:
       self._setup(cfg, workdir, shard_index, shard_count, host_batch)
@@ -367,7 +368,7 @@ class SFTTrainer:
       self.checkpointer.close()
     finally:
       if self._lock is not None:
-        self._lock.release()  # the workdir lock (training/workdir.py)
+        self._lock.release()  # the workdir lock (runs/workdir.py)
 
   def __enter__(self) -> SFTTrainer:
     return self

@@ -16,7 +16,7 @@ from hackable_diffusion.model.transformer import init_model
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.tasks.base import BaseTask, get_task
 from hackable_diffusion.tasks.text import DigitsTask, TextTask
-from hackable_diffusion.training.config import EvalSection
+from hackable_diffusion.runs.config import EvalSection
 
 
 def test_eval_runs():

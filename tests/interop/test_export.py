@@ -169,7 +169,7 @@ def workdir(hf_factory, tmp_path_factory):
   cfg.lora = ml_collections.ConfigDict(dict(enabled=True, rank=2, alpha=4, target_modules=("all-linear", "experts")))
   wd = str(tmp_path_factory.mktemp("lora_run"))
   trainer.train(cfg, wd, progress=False)
-  from hackable_diffusion.training import run as run_lib
+  from hackable_diffusion.runs import run as run_lib
 
   return base, wd, run_lib.load_run(wd)
 

@@ -216,7 +216,7 @@ def run_generate_mesh(hd, ids, mask, seed, sampling) -> dict:
 def run_misc() -> dict:
   import hackable_diffusion as hd
   from hackable_diffusion.interop.hf import load_pretrained, save_pretrained
-  from hackable_diffusion.training.checkpointing import Checkpointer
+  from hackable_diffusion.runs.checkpoints import Checkpointer
 
   out: dict = {"devices": jax.device_count()}
 
@@ -329,9 +329,9 @@ def spy_programs():
 def run_trainer() -> dict:
   """`SFTTrainer` with `mesh` config sections: 3 steps on data 2 x fsdp 2 x tensor 2, resumed for 2 more on
   fsdp 4 x tensor 2, against 5 straight steps on one device (no mesh); and a batch the mesh cannot split."""
-  from hackable_diffusion.training import config as config_lib
+  from hackable_diffusion.runs import config as config_lib
   from hackable_diffusion.training import logging as log_lib
-  from hackable_diffusion.training import run as run_lib
+  from hackable_diffusion.runs import run as run_lib
   from hackable_diffusion.training import trainer as trainer_lib
 
   common = {

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.tasks import base
 from hackable_diffusion.tasks.base import (BUILTIN_TASKS, DATA_SPEC_FILE, BaseTask, EvalRecord, char_accuracy,
                                            exact_match, get_task, write_jsonl_splits)
 from hackable_diffusion.tasks.sudoku.task import SudokuTask
@@ -76,3 +77,11 @@ def test_write_jsonl_splits_is_atomic_and_reuses_files(tmp_path):
   write_jsonl_splits(str(tmp_path), {"v": 2}, {"train": make})
   assert len(calls) == 3  # an unreadable spec regenerates
 
+
+
+def test_the_sampling_hooks_default_to_the_text_as_is():
+  record = EvalRecord(prompt="p", completion="")
+  for task in (BaseTask(), None, object()):  # BaseTask's defaults; no task, or one without the hooks: the same
+    assert base.parse_prompt(task, "a b\n") == "a b\n"
+    assert base.prompt_complete(task, "")
+    assert base.render(task, "x\ny", record) == "x\ny"

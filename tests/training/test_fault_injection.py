@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KILLS_CI = 3

@@ -31,10 +31,10 @@ import pytest
 from hackable_diffusion.errors import CheckpointError, TrainingError
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import init_model
-from hackable_diffusion.training import checkpointing
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import checkpoints
+from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.training import logging as log_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
 from hackable_diffusion.training.step import init_train_state
@@ -215,7 +215,7 @@ def test_failed_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch, s
   """max_to_keep=1: the old step is deleted only after the new one is complete, so a failed save keeps it."""
   directory = str(tmp_path / "ckpt")
   disk = DiskFull(monkeypatch, directory)
-  ckpt = checkpointing.Checkpointer(directory, max_to_keep=1, async_save=async_save)
+  ckpt = checkpoints.Checkpointer(directory, max_to_keep=1, async_save=async_save)
   ckpt.save(1, state, {"seed": 0}, wait=True)
   disk.arm()
   with pytest.raises(CheckpointError) as err:
@@ -243,7 +243,7 @@ def test_failed_save_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch, s
     logging.getLogger("asyncio").removeHandler(handler)
   assert [m for m in seen if m.startswith(("[late]", "[other]"))] == [
       "[other] Future exception was never retrieved: another program's"]
-  with checkpointing.Checkpointer(directory, read_only=True) as ro:
+  with checkpoints.Checkpointer(directory, read_only=True) as ro:
     assert ro.latest_step() == 1
     restored, meta = ro.restore(jax.eval_shape(lambda: state))
   _assert_same(restored, state)
@@ -259,15 +259,15 @@ def test_a_long_error_message_still_names_the_os_error():
     except OSError as e:
       raise RuntimeError("writing /tmp/" + "y" * 400 + " failed") from e
   except RuntimeError as e:
-    line = checkpointing.one_line_error(e)
+    line = checkpoints.one_line_error(e)
   assert line.startswith("RuntimeError: writing /tmp/yyy") and "\n" not in line and len(line) < 400, line
   assert "[Errno 28] No space left on device" in line
-  short = checkpointing.one_line_error(OSError(errno.EIO, os.strerror(errno.EIO)))
+  short = checkpoints.one_line_error(OSError(errno.EIO, os.strerror(errno.EIO)))
   assert short == "OSError: [Errno 5] Input/output error"  # already named: not repeated
-  assert checkpointing.one_line_error(ValueError("bad\nvalue")) == "ValueError: bad value"
-  quoted = checkpointing.one_line_error(ValueError("z" * 400 + " [Errno 28] No space left on device: '/tmp/a'"))
+  assert checkpoints.one_line_error(ValueError("bad\nvalue")) == "ValueError: bad value"
+  quoted = checkpoints.one_line_error(ValueError("z" * 400 + " [Errno 28] No space left on device: '/tmp/a'"))
   assert quoted.endswith("... ([Errno 28] No space left on device)"), quoted  # quoted by a wrapper, cut off
-  store = checkpointing.one_line_error(ValueError("RESOURCE_EXHAUSTED: Failed writing: \"/" + "p" * 400
+  store = checkpoints.one_line_error(ValueError("RESOURCE_EXHAUSTED: Failed writing: \"/" + "p" * 400
                                                   + "/_sharding\": No space left on device"))  # tensorstore's form
   assert store.endswith("... (No space left on device)"), store
 
@@ -275,7 +275,7 @@ def test_a_long_error_message_still_names_the_os_error():
 def test_first_save_failing_says_no_checkpoint_was_kept(tmp_path, monkeypatch, state):
   directory = str(tmp_path / "ckpt")
   disk = DiskFull(monkeypatch, directory, errno.EIO)
-  with checkpointing.Checkpointer(directory) as ckpt:
+  with checkpoints.Checkpointer(directory) as ckpt:
     disk.arm()
     with pytest.raises(CheckpointError) as err:
       ckpt.save(1, state, {}, wait=True)
@@ -289,8 +289,8 @@ def test_orbax_failure_logs_are_dropped_and_closed_loop_callbacks_ignored(tmp_pa
   (tensorstore calling back into a failed restore's closed loop) is not printed; anything else still is."""
   import logging as py_logging
 
-  ckpt = checkpointing.Checkpointer(str(tmp_path / "c"))  # installs its log filter and the unraisable hook
-  orbax_file = os.path.join(checkpointing._ORBAX_DIR, "checkpoint_manager.py")
+  ckpt = checkpoints.Checkpointer(str(tmp_path / "c"))  # installs its log filter and the unraisable hook
+  orbax_file = os.path.join(checkpoints._ORBAX_DIR, "checkpoint_manager.py")
 
   def record(path=orbax_file, level=py_logging.ERROR):
     exc = OSError(errno.ENOSPC, "No space left on device")
@@ -307,26 +307,26 @@ def test_orbax_failure_logs_are_dropped_and_closed_loop_callbacks_ignored(tmp_pa
   ckpt.close()  # a clean close removes its filter
   assert filt not in absl_logger.filters
   seen = []
-  prev = checkpointing._previous_unraisablehook
-  checkpointing._previous_unraisablehook = seen.append
+  prev = checkpoints._previous_unraisablehook
+  checkpoints._previous_unraisablehook = seen.append
   try:
     args = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
-    checkpointing._ignore_closed_loop_callbacks(args)
+    checkpoints._ignore_closed_loop_callbacks(args)
     other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
-    checkpointing._ignore_closed_loop_callbacks(other)
+    checkpoints._ignore_closed_loop_callbacks(other)
     # an abandoned read coroutine of orbax, collected after the failed restore: its error is dropped; the same
     # error from a coroutine that is not orbax's is still shown
     namespace: dict = {}
-    for name, path in (("orbax_read", os.path.join(checkpointing._ORBAX_DIR, "serialization.py")),
+    for name, path in (("orbax_read", os.path.join(checkpoints._ORBAX_DIR, "serialization.py")),
                        ("own_read", __file__)):
       exec(compile(f"async def {name}():\n  pass\n", path, "exec"), namespace)
     read_error = Exception("Encountered error while reading array index")
     coroutines = [namespace["orbax_read"](), namespace["own_read"]()]
     for coroutine in coroutines:
-      checkpointing._ignore_closed_loop_callbacks(types.SimpleNamespace(exc_value=read_error, object=coroutine))
+      checkpoints._ignore_closed_loop_callbacks(types.SimpleNamespace(exc_value=read_error, object=coroutine))
       coroutine.close()
   finally:
-    checkpointing._previous_unraisablehook = prev
+    checkpoints._previous_unraisablehook = prev
   assert [s.exc_value for s in seen] == [other.exc_value, read_error]
   assert seen[1].object is coroutines[1]
 
@@ -350,7 +350,7 @@ def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
 
   workdir = str(tmp_path / "run")
   disk = DiskFull(monkeypatch, workdir)
-  real_save = checkpointing.Checkpointer.save
+  real_save = checkpoints.Checkpointer.save
   real_shardings = jax_array_handlers._async_serialize_shardings
   slow_writes = []
 
@@ -368,7 +368,7 @@ def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
       disk.arm()
     return real_save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(checkpointing.Checkpointer, "save", save)
+  monkeypatch.setattr(checkpoints.Checkpointer, "save", save)
   with pytest.raises(CheckpointError) as err:
     trainer_lib.train(_config(**{"train.steps": 40}), workdir, progress=False)
   assert time.monotonic() - disk.armed_at < DEADLINE_S
@@ -379,13 +379,13 @@ def test_disk_full_training_run_stops_and_resumes(tmp_path, monkeypatch):
   time.sleep(1.5)
   assert _files_under(ckpt_dir) == files  # the failed save's writers had finished when the error was raised
   assert f"{ckpt_dir}/20: cannot write this checkpoint" in msg and f"checkpoint {ckpt_dir}/10 is kept" in msg
-  assert checkpointing.Checkpointer(ckpt_dir, read_only=True).complete_steps() == [10]
+  assert checkpoints.Checkpointer(ckpt_dir, read_only=True).complete_steps() == [10]
   assert run_lib.load_run(workdir).step == 10
   with open(os.path.join(workdir, log_lib.METRICS_FILENAME)) as f:
     steps = [json.loads(line)["step"] for line in f]
   assert steps == sorted(set(steps)) and 10 in steps
   disk.armed_at = None  # space freed: the same command resumes from step 10
-  monkeypatch.setattr(checkpointing.Checkpointer, "save", real_save)
+  monkeypatch.setattr(checkpoints.Checkpointer, "save", real_save)
   trainer_lib.train(_config(**{"train.steps": 40}), workdir, progress=False)
   assert run_lib.load_run(workdir).step == 40
   assert [r["step"] for r in log_lib.read_metrics(workdir)] == list(range(5, 45, 5))
@@ -448,7 +448,7 @@ def test_disk_full_cli_on_tmpfs(tmp_path):
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
     assert "No space left on device" in lines[0] and "is kept" in lines[0], lines[0]  # the whole line when it fails
     os.remove(os.path.join(mnt, "filler"))  # the reader needs no space, but orbax opens files read-only anyway
-    steps = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).complete_steps()
+    steps = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).complete_steps()
     assert steps and run_lib.load_run(workdir).step == steps[-1]
   finally:
     subprocess.run(["umount", "-l", mnt], capture_output=True)

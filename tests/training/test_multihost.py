@@ -3,7 +3,7 @@ as a multi-host job does (`$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JA
 
 - A workdir locked by another run: process 0 is refused (the lock is its alone) and process 1, which takes no lock,
   stops at once with one line naming process 0's refusal, instead of running on into its first collective and
-  failing there with a gloo timeout (what it did before `training/workdir.py` made the processes agree).
+  failing there with a gloo timeout (what it did before `runs/workdir.py` made the processes agree).
 - Then, the lock released, the same command trains, checkpoints and finishes on both processes.
 - Process 1 cannot make its data (a test task that fails there): process 0, which holds the lock and would have
   gone on to its first collective, stops with one line naming process 1 and releases the lock.
@@ -33,8 +33,8 @@ import pytest
 
 from hackable_diffusion.sharding.mesh import MESSAGE_BYTES
 from hackable_diffusion.training import logging as log_lib
-from hackable_diffusion.training import run as run_lib
-from hackable_diffusion.training.workdir import WorkdirLock
+from hackable_diffusion.runs import run as run_lib
+from hackable_diffusion.runs.workdir import WorkdirLock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")

@@ -16,8 +16,8 @@ from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model.config import FULL, get_preset
 from hackable_diffusion.model.transformer import init_model
-from hackable_diffusion.training.checkpointing import Checkpointer
-from hackable_diffusion.training.config import ExperimentConfig
+from hackable_diffusion.runs.checkpoints import Checkpointer
+from hackable_diffusion.runs.config import ExperimentConfig
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer, master_dtype
 from hackable_diffusion.training.step import (abstract_train_state, init_train_state, make_loss_and_grad,
                                               make_train_step, state_to_model)

@@ -14,9 +14,9 @@ from flax import nnx
 import hackable_diffusion as hd
 from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.model import scan
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.training import logging as log_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 pytestmark = pytest.mark.usefixtures("shared_xla_cache")  # tests/conftest.py

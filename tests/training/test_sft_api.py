@@ -19,8 +19,8 @@ from conftest import max_abs_diff
 import hackable_diffusion as hd
 from hackable_diffusion.data.tokenizer import train_tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 from hackable_diffusion.training.sft_api import BASE_MODEL_DIR
 from hackable_diffusion.training.sft_config import SFTConfig

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hackable_diffusion.training import checkpointing
+from hackable_diffusion.runs import checkpoints
 from hackable_diffusion import cli
 from hackable_diffusion.errors import DataError
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.training import logging as log_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
 STEPS = 500
@@ -92,7 +92,7 @@ def test_workdir_layout_and_metrics(trained):
   eval_steps = [r["step"] for r in records if "eval/steps_8/char_accuracy" in r]
   assert eval_steps == [250, 500]  # train.eval_every=250 and at the end
   assert os.path.exists(os.path.join(workdir, "eval", "report_step_250.json"))
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   assert ckpt.all_steps() == [400, 500]  # keep_checkpoints=2
   meta = ckpt.restore_meta()
   assert meta["step"] == STEPS and meta["seed"] == 0 and "next_index" in json.dumps(meta["data_state"])
@@ -196,7 +196,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_state(tmp_path):
   assert "\n" not in msg and "non-finite loss at step" in msg and "peak_lr" in msg
   step = int(msg.split("non-finite loss at step ")[1].split(" ")[0])
   assert 0 <= step < 50
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   assert ckpt.latest_step() == step
   model = run_lib.load_run(workdir).model
   leaves = jax.tree.leaves(nnx.state(model))
@@ -214,5 +214,5 @@ def test_a_bad_evaluation_file_fails_before_training(tmp_path):
   with pytest.raises(DataError, match=rf"^{bad}:3: invalid JSON"):
     trainer_lib.SFTTrainer(tiny_config(**{"train.steps": 4, "data.validation_path": str(bad)}), str(workdir),
                            progress=False)
-  assert not os.path.exists(os.path.join(workdir, checkpointing.CHECKPOINT_DIR)) or not os.listdir(
-      os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
+  assert not os.path.exists(os.path.join(workdir, checkpoints.CHECKPOINT_DIR)) or not os.listdir(
+      os.path.join(workdir, checkpoints.CHECKPOINT_DIR))

@@ -19,7 +19,7 @@ import numpy as np
 
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.tasks.base import BaseTask, EvalRecord, check_lengths, data_spec_matches, write_data_spec
-from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics, plots, structure
+from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics, plots, solver, structure
 
 DIGITS = "123456789"
 
@@ -119,6 +119,32 @@ class SudokuTask(BaseTask):
 
   def plot_trajectory(self, trajectory: Mapping[str, Any], path: str) -> str | None:
     return plots.plot_canvas_trajectory(trajectory, path)  # imports matplotlib on first use
+
+  # ---- typed prompts and shown answers (sampling) -----------------------------------------------------------------
+  def parse_prompt(self, text: str) -> str:
+    """A puzzle in any notation `formatting.parse_puzzle` reads ('.', '0' or '_' blanks; whitespace and '|', '-',
+    '+' separators, so a pasted grid works) as the data writes it: 81 cells in row order, '0' for a blank. A
+    wrong cell count, a bad character or clashing givens is a one-line `ConfigError`."""
+    try:
+      grid = formatting.parse_puzzle(text)
+    except ValueError as e:
+      shown = " ".join(text.split())
+      shown = shown if len(shown) <= 40 else shown[:37] + "..."
+      raise ConfigError(f"prompt {shown!r} ({len(text)} characters) is not a Sudoku puzzle: {e}; a puzzle is 81 "
+                        "cells in row order, a digit 1-9 or a blank ('.', '0' or '_'), separators (whitespace, '|', "
+                        "'-', '+') ignored") from None
+    return formatting.puzzle_to_prompt(grid)
+
+  def prompt_complete(self, text: str) -> bool:
+    """A pasted grid spans lines: the prompt is whole once it holds 81 cells (`formatting.count_cells`)."""
+    return formatting.count_cells(text) >= solver.NUM_CELLS
+
+  def render(self, completion: str, record: EvalRecord) -> str:
+    """The answer as a grid (`formatting.render_grid`), then a line saying whether it solves `record.prompt`'s
+    puzzle (`formatting.solution_verdict`: a complete grid with no clash that keeps every given)."""
+    answer = metrics.parse_prediction(completion)
+    _, verdict = formatting.solution_verdict(answer, formatting.parse_grid(record.prompt))
+    return f"{formatting.render_grid(answer)}\n{verdict}"
 
   def attention_structure(self) -> str | None:
     """Each canvas cell attends to its row / column / box peers: `structure.PEER_MASK`."""

@@ -99,3 +99,20 @@ def test_training_mix_is_part_of_the_data_spec(tmp_path):
   assert sorted(g < 30 for g in givens) == [False] * 5 + [True] * 5  # unset train_easy counts 0
   assert min(givens) < 30 <= max(givens) < 40
   assert (tmp_path / "test.jsonl").read_bytes() == test_before
+
+
+def test_typed_puzzles_and_shown_answers():
+  task = get_task("sudoku")
+  puzzle = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+  grid = formatting.render_grid(formatting.parse_grid(puzzle), blank="_")  # a pasted grid, '_' blanks
+  assert task.parse_prompt(puzzle.replace("0", ".")) == task.parse_prompt(grid) == puzzle
+  with pytest.raises(ConfigError, match=r"^prompt '1234' \(4 characters\) is not a Sudoku puzzle: expected 81 cells"):
+    task.parse_prompt("1234")
+  lines = grid.split("\n")
+  assert not task.prompt_complete("\n".join(lines[:5])) and task.prompt_complete(grid)  # read until 81 cells
+  solution = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+  shown = task.render(solution, EvalRecord(prompt=puzzle, completion=""))
+  assert shown.split("\n")[:11] == formatting.render_grid(formatting.parse_grid(solution)).split("\n")
+  assert shown.split("\n")[11].startswith("valid: ")
+  wrong = task.render("1" * 81, EvalRecord(prompt=puzzle, completion=""))
+  assert wrong.split("\n")[11].startswith("not valid: ")

@@ -55,11 +55,10 @@ from absl import logging
 
 from hackable_diffusion.errors import ConfigError, DataError, TrainingError
 from hackable_diffusion.files import read_json, write_atomic
-from hackable_diffusion.sharding.mesh import stop_together
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR
-from hackable_diffusion.training.config import ExperimentConfig
-from hackable_diffusion.training.logging import is_main_process
+from hackable_diffusion.sharding.mesh import is_main_process, stop_together
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR
+from hackable_diffusion.runs.config import ExperimentConfig
 
 LOCK_FILENAME = ".lock"
 PREV_CONFIG_FILENAME = "config.prev.json"

@@ -4,11 +4,11 @@ Used by every CLI (`train`, `evaluate`, `sample`, `export`) and by the `SFTTrain
 here, not through the trainer. A run's workdir holds:
 
   workdir/config.json        the resolved config          workdir/tokenizer.json|.model  the tokenizer
-  workdir/checkpoints/<N>/   orbax (see checkpointing.py)  workdir/metrics.jsonl     one JSON object per log step
+  workdir/checkpoints/<N>/   orbax (runs/checkpoints.py)   workdir/metrics.jsonl     one JSON object per log step
   workdir/tensorboard/       TensorBoard events            workdir/eval/             reports and plots
   workdir/data/              data written by a built-in generator (data.generator)
   workdir/.lock              the owning run's lock         workdir/config.prev.json  the config before a resume
-                                                           changed it (both: training/workdir.py)
+                                                           changed it (both: runs/workdir.py)
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from hackable_diffusion.model import scan, structure
 from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import EvalRecord, Task, get_task
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training.checkpointing import CHECKPOINT_DIR, Checkpointer, step_to_restore
-from hackable_diffusion.training.config import ExperimentConfig
-from hackable_diffusion.training.logging import is_main_process
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer, step_to_restore
+from hackable_diffusion.runs.config import ExperimentConfig
+from hackable_diffusion.sharding.mesh import is_main_process
 
 DATA_DIR = "data"
 EVAL_DIR = "eval"
@@ -312,7 +312,7 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
   path = paths.get(split) or ""
   if not path and split == "test":
     raise ConfigError("eval.split='test' needs a data generator that writes a test split "
-                      "(e.g. data.generator='sudoku')")
+                      "(a task of tasks.BUILTIN_TASKS with make_data)")
   if not path:
     logging.warning("no %s data configured; evaluating on the training data", split)
     path = paths["train"]
@@ -322,8 +322,9 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
   # every record usable by every evaluated task before anything is sampled (a one-line error naming file:line)
   for task in _eval_tasks(cfg):
     check_records(task, data.examples, data.records.sources, tokenizer, model_config.canvas_length)
-  # The data's pins are read only where a task brings no start canvases of its own (Sudoku pins its givens from
-  # the prompt): then a file without the pinned field (e.g. a user's own puzzles) needs no --config.data.pinned_field=.
+  # The data's pins are read only where a task brings no start canvases of its own (a puzzle task pins its givens
+  # from the prompt): then a file without the pinned field (e.g. a user's own puzzles) needs no
+  # --config.data.pinned_field=.
   if data_cfg.pinned_field is None or (
       data.examples and _tasks_seed_canvases(cfg, tokenizer, data.examples[0], model_config.canvas_length)):
     return data

@@ -2,7 +2,7 @@
 
 `load_config_file(path, overrides)` runs a config file's `get_config()` (a broken file is a one-line `FILE:LINE`
 error), `apply_overrides` sets `{'a.b': value}` keys (unknown keys listed), `config_from_json` / `write_config_json`
-read and write a run's resolved config. The typed sections built from a loaded config are in `training.config`.
+read and write a run's resolved config. The typed sections built from a loaded config are in `runs.config`.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import pytest
 from hackable_diffusion.interop.hf import CheckpointError
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import init_model
-from hackable_diffusion.training import checkpointing
-from hackable_diffusion.training.checkpointing import Checkpointer
+from hackable_diffusion.runs import checkpoints
+from hackable_diffusion.runs.checkpoints import Checkpointer
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
 from hackable_diffusion.training.step import init_train_state
 
@@ -77,8 +77,8 @@ def test_old_steps_leave_by_an_atomic_rename(tmp_path, state, monkeypatch):
   with Checkpointer(str(directory), max_to_keep=1, async_save=False) as ckpt:
     for step in (1, 2):
       ckpt.save(step, st, {}, wait=True)
-  trash = directory / checkpointing.TRASH_DIR
-  assert sorted(os.listdir(directory)) == ["2", checkpointing.TRASH_DIR] and os.listdir(trash) == ["1"]
+  trash = directory / checkpoints.TRASH_DIR
+  assert sorted(os.listdir(directory)) == ["2", checkpoints.TRASH_DIR] and os.listdir(trash) == ["1"]
   assert sorted(os.listdir(trash / "1")) == sorted(os.listdir(directory / "2"))  # moved whole, not deleted in place
   monkeypatch.undo()
   with Checkpointer(str(directory), max_to_keep=1) as ckpt:

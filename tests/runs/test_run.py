@@ -1,4 +1,4 @@
-"""training/run.py: building a run's model config from a Hugging Face checkpoint keeps the checkpoint's dtype; the
+"""runs/run.py: building a run's model config from a Hugging Face checkpoint keeps the checkpoint's dtype; the
 data generator follows the progress flag."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from hackable_diffusion.data import load_records, train_tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
-from hackable_diffusion.training import workdir as workdir_lib
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
+from hackable_diffusion.runs import workdir as workdir_lib
 
 
 class _StandInTokenizer:

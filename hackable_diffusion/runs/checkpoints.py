@@ -1,9 +1,9 @@
-"""Orbax checkpoints of a training run: `workdir/checkpoints/<step>/{params,rest,opt,meta}`.
+"""Orbax checkpoints of a run: `workdir/checkpoints/<step>/{params,rest,opt,meta}`.
 
-Items of one step:
-- `params`: the trainable variables (`TrainState.params`, an `nnx.State`),
+Items of one step (a train state: `training.step.TrainState`, or any dataclass with its four fields):
+- `params`: the trainable variables (`state.params`, an `nnx.State`),
 - `rest`: every other variable (frozen weights, buffers),
-- `opt`: `{'step': TrainState.step, 'opt_state': ...}`,
+- `opt`: `{'step': state.step, 'opt_state': ...}`,
 - `meta`: JSON: `{'step', 'seed', 'data_state' (the grain iterator state), ...}`.
 
 Keeping them apart lets evaluation and sampling restore only `params` + `rest`. Saving is asynchronous where
@@ -23,6 +23,7 @@ failure (logged from its background threads) are dropped unless absl logs at INF
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging as py_logging
 import os
@@ -33,7 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -41,9 +42,20 @@ from absl import logging
 
 from hackable_diffusion import sharding
 from hackable_diffusion.interop.hf import CheckpointError
-from hackable_diffusion.training.step import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainStateLike(Protocol):
+  """What a checkpoint holds (`training.step.TrainState`): a dataclass with these fields."""
+
+  step: Any
+  params: Any
+  rest: Any
+  opt_state: Any
+
+
+State = TypeVar("State", bound=TrainStateLike)
 _ITEMS = ("params", "rest", "opt", "meta")
 
 
@@ -180,7 +192,7 @@ def pick_step(directory: str, steps: list[int], step: int | None) -> int:
 
 
 class Checkpointer:
-  """A thin wrapper over `orbax.checkpoint.CheckpointManager` for `TrainState` + JSON metadata.
+  """A thin wrapper over `orbax.checkpoint.CheckpointManager` for a train state + JSON metadata.
 
   Args:
     directory: the checkpoint directory (created unless `read_only`).
@@ -249,7 +261,7 @@ class Checkpointer:
     return pick_step(self.directory, self.all_steps(), step)
 
   # ---- save ---------------------------------------------------------------------------------------------------
-  def save(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = False) -> bool:
+  def save(self, step: int, state: TrainStateLike, meta: Mapping[str, Any], *, wait: bool = False) -> bool:
     """Saves `state` and JSON `meta` as checkpoint `step` (a no-op returning False if it exists).
 
     `state.rest=None` leaves the non-trainable variables out (LoRA on a pretrained model: they come from the
@@ -326,9 +338,9 @@ class Checkpointer:
     return self.directory in text
 
   # ---- restore ------------------------------------------------------------------------------------------------
-  def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-    """Restores the whole `TrainState` (`target`: arrays or ShapeDtypeStructs of the same structure;
-    `target.rest=None` skips the non-trainable variables)."""
+  def restore(self, target: State, step: int | None = None) -> tuple[State, dict[str, Any]]:
+    """Restores the whole train state (`target`: arrays or ShapeDtypeStructs of the same structure, returned as
+    the same dataclass with the restored values; `target.rest=None` skips the non-trainable variables)."""
     step = self._check_step(step)
     target = abstract_like(target)
     items = dict(
@@ -340,7 +352,8 @@ class Checkpointer:
       items["rest"] = ocp.args.StandardRestore(target.rest)
     out = self._restore(step, ocp.args.Composite(**items))
     rest = out.rest if target.rest is not None else None
-    state = TrainState(step=out.opt["step"], params=out.params, rest=rest, opt_state=out.opt["opt_state"])
+    state = dataclasses.replace(target, step=out.opt["step"], params=out.params, rest=rest,
+                                opt_state=out.opt["opt_state"])
     return state, dict(out.meta)
 
   def restore_variables(self, params: Any, rest: Any, step: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
@@ -429,5 +442,5 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "abstract_like", "one_line_error", "pick_step", "step_to_restore",
-           "steps_on_disk"]
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "TrainStateLike", "abstract_like", "one_line_error", "pick_step",
+           "step_to_restore", "steps_on_disk"]

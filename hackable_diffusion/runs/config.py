@@ -10,7 +10,7 @@ starts (before any data is read or any step runs):
   tokenizer  path ('train' = a char model trained on the data, saved as workdir/tokenizer.model), model_type
   data       generator (+ generator_args) | train_path / validation_path, fields, chat_template, lengths
   diffusion  -> `diffusion.loss.LossConfig` (loss_variant, schedule, time_eps, self_conditioning_prob, ...)
-  optimizer  -> `training.optimizer.OptimizerConfig` (schedule, Adam, clipping; decay_steps 0 or unset = train.steps,
+  optimizer  -> `OptimizerConfig` (schedule, Adam, clipping; decay_steps 0 or unset = train.steps,
              the schedule spans the run; master_weights: float32 masters of
              a bfloat16 model's trainable variables, 'auto' = on for full fine-tuning, off under LoRA)
   train      steps, batch_size, grad_accum_steps, seed, log_every, checkpoint_every, keep_checkpoints, eval_every
@@ -20,7 +20,7 @@ starts (before any data is read or any step runs):
   mesh       -> `sharding.MeshConfig` (data, fsdp, tensor, expert; all 1 = one device; multi-host settings)
 
 Command-line handling (`--config=FILE`, `--config.a.b=value`) lives in `hackable_diffusion.cli`; finding, running
-and overriding config files, and a run's `config.json`, in `training.config_files` (re-exported here).
+and overriding config files, and a run's `config.json`, in `runs.config_files` (re-exported here).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.errors import ConfigError, TrainingError
 from hackable_diffusion.lora.adapters import LoraConfig
 from hackable_diffusion.model.config import ModelConfig, get_preset
+from hackable_diffusion.runs.config_files import (CONFIG_FILENAME, CONFIGS_DIR, apply_overrides, check_config_source,
+                                                  check_override_keys, config_file_error, config_from_json,
+                                                  config_to_dict, load_config_file, resolve_config_path,
+                                                  write_config_json)
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sharding.mesh import MESH_AXES, MeshConfig
-from hackable_diffusion.training.config_files import (CONFIG_FILENAME, CONFIGS_DIR, apply_overrides,
-                                                      check_config_source, check_override_keys, config_file_error,
-                                                      config_from_json, config_to_dict, load_config_file,
-                                                      resolve_config_path, write_config_json)
-from hackable_diffusion.training.optimizer import OptimizerConfig
 
 SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora", "mesh")
 
@@ -55,6 +54,51 @@ def _is_int(v: Any) -> bool:
 def _positive_int(section: str, name: str, v: Any, *, allow_zero: bool = False) -> None:
   if not _is_int(v) or v < (0 if allow_zero else 1):
     raise ConfigError(f"{section}.{name}={v!r}; expected an integer >= {0 if allow_zero else 1}")
+
+
+_SCHEDULES = ("cosine", "linear", "constant")
+_MASTER_WEIGHTS = ("auto", "float32", "off")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  """The optimizer of a run (`training.optimizer`: clip by global norm -> AdamW -> warmup + decay schedule).
+
+  master_weights: 'auto' (default: 'float32' for full fine-tuning, 'off' under LoRA, whose adapters are stored
+    in `lora.param_dtype`, float32 by default, and whose frozen base keeps its dtype), 'float32' (trainable
+    variables stored below float32, e.g. bfloat16, get a float32 master copy that the optimizer updates; the
+    forward/backward runs on its cast to the stored dtype) or 'off' (the optimizer updates the variables in the
+    dtype they are stored in: in bfloat16 an update below half a unit in the last place is lost). A no-op for
+    variables already stored in float32.
+  """
+
+  peak_lr: float = 1.5e-4
+  end_lr_ratio: float = 0.1  # final lr = peak_lr * end_lr_ratio
+  warmup_steps: int = 100
+  decay_steps: int = 2000  # total schedule length (warmup included)
+  schedule: str = "cosine"
+  b1: float = 0.95
+  b2: float = 0.99
+  eps: float = 1e-8
+  weight_decay: float = 1e-4
+  clip_norm: float | None = 1.0
+  master_weights: str = "auto"
+
+  def __post_init__(self):
+    if not self.peak_lr > 0:
+      raise ValueError(f"optimizer.peak_lr={self.peak_lr}; expected > 0")
+    if self.schedule not in _SCHEDULES:
+      raise ValueError(f"optimizer.schedule={self.schedule!r}; expected one of {_SCHEDULES}")
+    if self.warmup_steps < 0 or self.decay_steps < 1:
+      raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} / decay_steps={self.decay_steps} out of range")
+    if not 0 <= self.end_lr_ratio <= 1:
+      raise ValueError(f"optimizer.end_lr_ratio={self.end_lr_ratio}; expected [0, 1]")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+      raise ValueError(f"optimizer.b1={self.b1}, b2={self.b2}; expected [0, 1)")
+    if self.clip_norm is not None and self.clip_norm <= 0:
+      raise ValueError(f"optimizer.clip_norm={self.clip_norm}; expected > 0 or None")
+    if self.master_weights not in _MASTER_WEIGHTS:
+      raise ValueError(f"optimizer.master_weights={self.master_weights!r}; expected one of {_MASTER_WEIGHTS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,7 +259,7 @@ class TrainSection:
 class EvalSection:
   """Generation-based evaluation: one run per step budget (early stopping off) and one with early stopping.
 
-  task: a task name ('text', 'digits', 'sudoku') or 'package.module:factory' ('' = the data generator's task,
+  task: a task name (`tasks.BUILTIN_TASKS`) or 'package.module:factory' ('' = the data generator's task,
     else 'text': exact match and character accuracy). task_args: its keyword arguments ('' task with a data
     generator reuses generator_args).
   split: 'validation', 'test' (generated data) or 'train'. num_examples: examples evaluated (the first ones).
@@ -227,7 +271,7 @@ class EvalSection:
     confidence_threshold, acceptance, ...); each run sets its own max_denoising_steps / early_stopping /
     max_new_tokens from the keys above.
   ablations: name -> task-argument overrides, each evaluated once at `ablation_steps` (fixed steps; 0 turns
-    them off), e.g. `{'no_pins': {'pin_givens': False}}` reports Sudoku without pinning the givens.
+    them off), e.g. `{'no_pins': {'pin_givens': False}}` reports a puzzle task without pinning its givens.
   """
 
   task: str = ""
@@ -360,6 +404,7 @@ def _build(cls: type, section: str, values: dict[str, Any], rename: Mapping[str,
 
 __all__ = [
     "CONFIG_FILENAME", "CONFIGS_DIR", "ConfigError", "DataSection", "EvalSection", "ExperimentConfig", "ModelSection",
+    "OptimizerConfig",
     "SECTIONS", "TokenizerSection", "TrainSection", "TrainingError", "apply_overrides", "check_config_source",
     "check_override_keys", "config_file_error", "config_from_json", "config_to_dict", "load_config_file",
     "mesh_requested", "resolve_config_path", "write_config_json",

@@ -1,4 +1,4 @@
-"""The workdir before training (`training/workdir.py`): one owner at a time, a resume never damages the run it
+"""The workdir before training (`runs/workdir.py`): one owner at a time, a resume never damages the run it
 resumes, and every check that can be made at start is made before anything is written.
 
 One tiny 2-step run (module fixture) provides a workdir with a checkpoint; each test works on its own copy. Two
@@ -21,9 +21,9 @@ import tempfile
 import pytest
 
 from hackable_diffusion.errors import ConfigError, DataError, TrainingError
-from hackable_diffusion.training import config as config_lib
+from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.training import trainer as trainer_lib
-from hackable_diffusion.training import workdir as workdir_lib
+from hackable_diffusion.runs import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # small and fast: 64 generated examples, 2 steps, no evaluation
@@ -118,7 +118,7 @@ def test_lock_of_a_killed_process_does_not_block(tmp_path):
   """flock is dropped by the kernel when its owner dies, even on SIGKILL: the next run takes the lock over."""
   workdir = str(tmp_path / "w")
   os.makedirs(workdir)
-  code = ("import sys, time\nfrom hackable_diffusion.training.workdir import WorkdirLock\n"
+  code = ("import sys, time\nfrom hackable_diffusion.runs.workdir import WorkdirLock\n"
           "lock = WorkdirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n")
   proc = subprocess.Popen([sys.executable, "-c", code, workdir], stdout=subprocess.PIPE, text=True, env=_env())
   try:
