@@ -13,10 +13,12 @@ Loading is one loop over the stored tensors with a per-tensor *placement* functi
 every device reads only its own slice). Quantized checkpoints in the compressed-tensors format (the FP8 and NVFP4
 checkpoints published for vLLM, `interop.quantized`) are dequantized tensor by tensor on the way: each quantized
 weight is read with its scales and placed as a dense array of the requested dtype; per-expert weights
-(`experts.N.gate_proj/up_proj/down_proj`) are stacked into the fused expert layout.
+(`experts.N.gate_proj/up_proj/down_proj`) are stacked into the fused expert layout. Every tensor is checked for
+NaN and inf as it is read (`check_finite=False` turns that off), and every safetensors header against its file's
+size before anything of the size it declares is read.
 
-This module owns a checkpoint's config (`load_config`, `checkpoint_dtype`, `resolve_dtype`) and loading
-(`load_weights`, `load_pretrained`), and re-exports the rest of the public API from where it lives:
+This module owns a checkpoint's config (`load_config`, `checkpoint_dtype`, `resolve_dtype`, `abstract_model`) and
+loading (`load_weights`, `load_pretrained`), and re-exports the rest of the public API from where it lives:
 files, headers and reads in `interop.safetensors_io`; tensor sources and placements in `interop.placement`; which
 stored tensors fill which variable in `interop.load_plan`; writing (`save_pretrained`) in `interop.hf_write`.
 """
@@ -27,7 +29,6 @@ import os
 from typing import Any
 
 import jax.numpy as jnp
-from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -36,13 +37,10 @@ from hackable_diffusion.files import read_json
 from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.interop import load_plan
 from hackable_diffusion.interop import peft as peft_io
-from hackable_diffusion.interop import quantized
 from hackable_diffusion.interop.hf_write import save_pretrained
-from hackable_diffusion.interop.names import hf_tensor_names, iter_variables
 from hackable_diffusion.interop.placement import (DequantizedTensor, Placement, StoredTensor, TensorSource,
                                                   place_in_shards, place_on_host)
-from hackable_diffusion.interop.safetensors_io import (INDEX_NAME, WEIGHTS_NAME, checkpoint_nbytes, iter_tensors,
-                                                       open_safetensors, weight_files)
+from hackable_diffusion.interop.safetensors_io import INDEX_NAME, WEIGHTS_NAME, checkpoint_nbytes, iter_tensors
 from hackable_diffusion.model import scan
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
@@ -89,7 +87,20 @@ def resolve_dtype(path: str, dtype: Any) -> Any:
   return checkpoint_dtype(path) if isinstance(dtype, str) and dtype == "auto" else dtype
 
 
-def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host) -> nnx.Module:
+def abstract_model(path: str, dtype: Any = "auto", compute_dtype: Any = None,
+                   **config_overrides: Any) -> DiffusionGemma:
+  """The model of the checkpoint directory or Hub id `path`, built abstractly (`nnx.eval_shape`: no weights yet):
+  its config with parameters in `dtype` ('auto': the checkpoint's, `resolve_dtype`), the forward in
+  `compute_dtype` (default `dtype`), and `config_overrides`."""
+  path = resolve_model_path(path)
+  dtype = jnp.dtype(resolve_dtype(path, dtype))
+  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
+  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
+  return nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
+
+
+def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host, *,
+                 check_finite: bool = True) -> nnx.Module:
   """Fills every variable of `model` (built abstractly: `nnx.eval_shape`) from the checkpoint at `path`.
 
   Tensors are read one at a time and placed by `place`; the vision tower is skipped with one warning; a tied
@@ -97,46 +108,20 @@ def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host)
   `quantization_config`, `interop.quantized`) is dequantized weight by weight (FP8: `weight` + `weight_scale`;
   NVFP4: `weight_packed` + `weight_scale` + `weight_global_scale`), per-expert weights (`experts.N.gate_proj` /
   `up_proj` / `down_proj`, quantized or not) are stacked into the fused layout, and activation-quantization scales
-  are skipped with one warning. Everything is checked before the first tensor is read. Raises `CheckpointError`
-  naming the tensor for a missing tensor, an unexpected tensor, a shape mismatch or a quantized tensor without its
-  scales, and naming the field for an unsupported `quantization_config`.
+  are skipped with one warning. Everything is checked before the first tensor is read (`load_plan.prepare_load`).
+  Raises `CheckpointError` naming the tensor for a missing tensor, an unexpected tensor, a shape mismatch or a
+  quantized tensor without its scales, and naming the field for an unsupported `quantization_config`.
+  `check_finite`: every tensor is checked for NaN and inf as it is read (one reduction per tensor), a one-line
+  `CheckpointError` naming the tensor and its file; False loads such values as they are.
   """
-  names = hf_tensor_names(model)
-  variables = dict(iter_variables(model))
-  config_path = os.path.join(path, "config.json")
-  config = None
-  if os.path.exists(config_path):
-    config = quantized.parse_quantization_config(read_json(config_path, error=CheckpointError), config_path)
-  files = weight_files(path)
-  where = load_plan.locate(files)
-  grouped = load_plan.group(names, where, config)
-  plan = load_plan.plan(grouped, names, variables, where, config, files)
-  loaded: set[str] = set()
-  for file in files:
-    if not plan[file]:
-      continue
-    with open_safetensors(file) as handle:
-      for key, factory in plan[file]:
-        var = variables[names[key][0]]
-        var.set_value(place(factory(handle), var))
-        loaded.add(key)
-  missing = sorted(set(names) - loaded)
-  if missing:
-    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
-  if grouped.skipped_vision:
-    logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path,
-                    grouped.skipped_vision)
-  if grouped.skipped_activation:
-    logging.warning("%s: skipped %d activation-quantization tensors (input scales): activations run in full "
-                    "precision, as with transformers' CompressedTensorsConfig(dequantize=True)", path,
-                    grouped.skipped_activation)
+  for _, _, var, source in load_plan.prepare_load(model, path).read(check_finite=check_finite):
+    var.set_value(place(source, var))
   return model
 
 
 def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None, adapter: str | None = None,
                     mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES, adapter_path: str | None = None,
-                    stack: bool = True, **config_overrides: Any) -> DiffusionGemma:
+                    stack: bool = True, check_finite: bool = True, **config_overrides: Any) -> DiffusionGemma:
   """Loads a HF DiffusionGemma directory (config.json + safetensors, sharded or not) into `DiffusionGemma`.
 
   `path` (and `adapter`): a local directory or a Hugging Face Hub id (`owner/name`), resolved by
@@ -149,7 +134,9 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
   reading only its own slice (`place_in_shards`). Quantized compressed-tensors checkpoints (FP8, NVFP4; fused or
   per-expert experts) are dequantized to `dtype` on the way (`load_weights`, `interop.quantized`). Raises
   `CheckpointError` naming the tensor for a missing tensor, an unexpected tensor, or a shape mismatch, and the field
-  for an unsupported `quantization_config`. `adapter`: a PEFT adapter directory to apply on top (see
+  for an unsupported `quantization_config`, and a tensor holding a NaN or an inf (naming it and its file; every
+  tensor is checked as it is read, one reduction each) unless `check_finite=False` (for deliberate experiments).
+  `adapter`: a PEFT adapter directory to apply on top (see
   `hackable_diffusion.interop.peft`; `adapter_path` is the same argument under transformers' name).
   `config_overrides`: `ModelConfig` fields to override. With `scan_layers=True` (an override or the config) the
   returned model's layers are stacked (`model.scan.stack_layers`, after the adapter), unless `stack=False` (the
@@ -159,11 +146,9 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
     raise ConfigError(f"load_pretrained: adapter={adapter!r} and adapter_path={adapter_path!r} disagree; pass one")
   adapter = adapter if adapter is not None else adapter_path
   path = resolve_model_path(path)
-  dtype = jnp.dtype(resolve_dtype(path, dtype))
-  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
-  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
-  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
-  load_weights(model, path, place_on_host if mesh is None else place_in_shards(mesh, rules))
+  model = abstract_model(path, dtype, compute_dtype, **config_overrides)
+  load_weights(model, path, place_on_host if mesh is None else place_in_shards(mesh, rules),
+               check_finite=check_finite)
   if adapter is not None:
     model = peft_io.load_adapter(model, resolve_model_path(adapter))
   if stack and model.config.scan_layers:
@@ -173,7 +158,8 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
 
 __all__ = [
     # defined here
-    "CHECKPOINT_DTYPES", "checkpoint_dtype", "load_config", "load_pretrained", "load_weights", "resolve_dtype",
+    "CHECKPOINT_DTYPES", "abstract_model", "checkpoint_dtype", "load_config", "load_pretrained", "load_weights",
+    "resolve_dtype",
     # re-exported
     "CheckpointError",  # hackable_diffusion.errors
     "INDEX_NAME", "WEIGHTS_NAME", "checkpoint_nbytes", "iter_tensors",  # interop.safetensors_io

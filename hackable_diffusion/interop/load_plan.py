@@ -5,7 +5,9 @@ stored tensor under the weight it belongs to (skipping the vision tower, activat
 encoder copies; a quantized weight's parts `weight` / `weight_scale` / ... together; per-expert weights under their
 fused expert tensor), and `plan` checks every shape, dtype and scale and returns, per file, the source factory of
 each variable (`interop.placement`), before any tensor is read. Every problem is a one-line `CheckpointError`
-naming the tensor. Dequantization itself: `interop.quantized`; running the plan: `interop.hf.load_weights`.
+naming the tensor. `prepare_load` runs these for one model and checkpoint directory into a `LoadPlan`, whose `read`
+gives every variable's source file by file (shared by `interop.hf.load_weights` and `interop.qlora_load`).
+Dequantization itself: `interop.quantized`.
 `stored_quantized` / `stacked_quantized` read an FP8 or NVFP4 weight's stored values and scales as they are (no
 dequantization), for a base kept quantized on the device (QLoRA, `interop.qlora_load`).
 """
@@ -14,19 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from hackable_diffusion.errors import CheckpointError
+from hackable_diffusion.files import read_json
 from hackable_diffusion.interop import quantized
-from hackable_diffusion.interop.names import is_vision, tied_decoder_name
-from hackable_diffusion.interop.placement import DequantizedTensor, StoredTensor, TensorSource
-from hackable_diffusion.interop.safetensors_io import read_header, read_tensor
+from hackable_diffusion.interop.names import hf_tensor_names, is_vision, iter_variables, tied_decoder_name
+from hackable_diffusion.interop.placement import DequantizedTensor, FiniteTensor, StoredTensor, TensorSource
+from hackable_diffusion.interop.safetensors_io import open_safetensors, read_header, read_tensor, weight_files
 
 # a per-expert weight (vLLM / llm-compressor layout) -> the fused `experts.gate_up_proj` / `experts.down_proj`
 _PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -263,5 +268,64 @@ def plan(grouped: Grouped, names: Mapping[str, Any], variables: Mapping[Any, nnx
   return out
 
 
-__all__ = ["Grouped", "Layer", "Location", "SourceFactory", "group", "locate", "plan", "stacked_quantized",
-           "stored_quantized"]
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+  """The checked plan of loading the checkpoint at `path` into one abstract model (`prepare_load`).
+
+  names: HF tensor name -> (our variable path, transpose?); variables: variable path -> the abstract variable;
+  where / grouped: the stored tensors (`locate`, `group`); sources: per file, (HF name, source factory) of every
+  variable whose first stored part is in it (`plan`).
+  """
+
+  path: str
+  names: Mapping[str, tuple[Any, bool]]
+  variables: Mapping[Any, nnx.Variable]
+  where: Mapping[str, Location]
+  grouped: Grouped
+  sources: Mapping[str, list[tuple[str, SourceFactory]]]
+
+  def read(self, *, check_finite: bool = True) -> Iterator[tuple[str, str, nnx.Variable, TensorSource]]:
+    """(file, HF name, abstract variable, source) of every variable, file by file (each file open while its sources
+    are read). `check_finite`: every read is checked for NaN and inf (`placement.FiniteTensor`; a one-line
+    `CheckpointError` naming the tensor and the file). Once all are yielded: a `CheckpointError` naming a variable
+    no stored tensor fills, and one warning per kind of skipped tensor (vision tower, activation scales)."""
+    loaded: set[str] = set()
+    for file, planned in self.sources.items():
+      if not planned:
+        continue
+      with open_safetensors(file) as handle:
+        for key, factory in planned:
+          source = factory(handle)
+          loaded.add(key)
+          yield file, key, self.variables[self.names[key][0]], FiniteTensor(source, file) if check_finite else source
+    missing = sorted(set(self.names) - loaded)
+    if missing:
+      more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+      raise CheckpointError(f"{self.path}: missing tensor {missing[0]!r}{more}")
+    if self.grouped.skipped_vision:
+      logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", self.path,
+                      self.grouped.skipped_vision)
+    if self.grouped.skipped_activation:
+      logging.warning("%s: skipped %d activation-quantization tensors (input scales): activations run in full "
+                      "precision, as with transformers' CompressedTensorsConfig(dequantize=True)", self.path,
+                      self.grouped.skipped_activation)
+
+
+def prepare_load(model: nnx.Module, path: str) -> LoadPlan:
+  """The plan of loading the checkpoint directory `path` into `model` (built abstractly): its config.json's
+  `quantization_config` parsed, every stored tensor located, grouped and checked against the model (`group`,
+  `plan`) - every header read, no tensor yet."""
+  names = hf_tensor_names(model)
+  variables = dict(iter_variables(model))
+  config_path = os.path.join(path, "config.json")
+  config = None
+  if os.path.exists(config_path):
+    config = quantized.parse_quantization_config(read_json(config_path, error=CheckpointError), config_path)
+  files = weight_files(path)
+  where = locate(files)
+  grouped = group(names, where, config)
+  return LoadPlan(path, names, variables, where, grouped, plan(grouped, names, variables, where, config, files))
+
+
+__all__ = ["Grouped", "Layer", "LoadPlan", "Location", "SourceFactory", "group", "locate", "plan", "prepare_load",
+           "stacked_quantized", "stored_quantized"]

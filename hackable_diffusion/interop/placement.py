@@ -2,9 +2,10 @@
 
 A `TensorSource` is one variable's value in our layout, read whole or block by block: `StoredTensor` (one stored
 tensor, transposed from torch's `[out, in]` when needed) or `DequantizedTensor` (a quantized or per-expert weight,
-made dense on the host). A `Placement` turns a source into the variable's array: on one device (`place_on_host`)
-or straight into its shards on a mesh (`place_in_shards`, each device reading only its own slice). Which stored
-tensors make up which source is the loading plan's business (`interop.load_plan`).
+made dense on the host), either checked for NaN and inf as it is read (`FiniteTensor`). A `Placement` turns a
+source into the variable's array: on one device (`place_on_host`) or straight into its shards on a mesh
+(`place_in_shards`, each device reading only its own slice). Which stored tensors make up which source is the
+loading plan's business (`interop.load_plan`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,50 @@ class DequantizedTensor:
     return self.read()[tuple(index)]
 
 
+def all_finite(value: np.ndarray) -> bool:
+  """Whether every element of `value` is finite (integer arrays always are). One reduction in the common case: a
+  NaN or inf element makes the float32 sum non-finite, so a finite sum proves them all finite; only a non-finite
+  sum (a bad element, or finite values whose sum overflows) is checked element by element."""
+  value = np.asarray(value)
+  if value.dtype.kind in "biu":
+    return True
+  with np.errstate(over="ignore", invalid="ignore"):
+    if np.isfinite(value.sum(dtype=np.float64 if value.dtype == np.float64 else np.float32)):
+      return True
+  return bool(np.isfinite(value).all())
+
+
+def check_finite(value: np.ndarray, file: str, name: str) -> np.ndarray:
+  """`value`, after a one-line `CheckpointError` naming the tensor and its file when it holds a NaN or an inf."""
+  if not all_finite(value):
+    raise CheckpointError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf); refusing to load it "
+                          "(check_finite=False loads it anyway)")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class FiniteTensor:
+  """A `TensorSource` whose every read (whole or block) is checked for NaN and inf (`check_finite`); `file` names
+  where the tensor is stored."""
+
+  source: TensorSource
+  file: str
+
+  @property
+  def name(self) -> str:
+    return self.source.name
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.source.shape
+
+  def read(self) -> np.ndarray:
+    return check_finite(self.source.read(), self.file, self.name)
+
+  def read_block(self, index: tuple[slice, ...]) -> np.ndarray:
+    return check_finite(self.source.read_block(index), self.file, self.name)
+
+
 # (what a variable is read from, the abstract variable it fills) -> its value
 Placement = Callable[[TensorSource, nnx.Variable], jax.Array]
 
@@ -110,4 +155,5 @@ def place_in_shards(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Placement:
   return place
 
 
-__all__ = ["DequantizedTensor", "Placement", "StoredTensor", "TensorSource", "place_in_shards", "place_on_host"]
+__all__ = ["DequantizedTensor", "FiniteTensor", "Placement", "StoredTensor", "TensorSource", "all_finite",
+           "check_finite", "place_in_shards", "place_on_host"]

@@ -19,7 +19,6 @@ quantized (an NVFP4 weight read in 'int4' mode is rounded a second time, onto th
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import jax
@@ -30,14 +29,10 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from hackable_diffusion.errors import CheckpointError
-from hackable_diffusion.files import read_json
 from hackable_diffusion.hub import resolve_model_path
-from hackable_diffusion.interop import load_plan, quantized
-from hackable_diffusion.interop.hf import load_config, resolve_dtype
-from hackable_diffusion.interop.names import hf_tensor_names, iter_variables
+from hackable_diffusion.interop import load_plan, placement, quantized
+from hackable_diffusion.interop.hf import abstract_model
 from hackable_diffusion.interop.placement import place_in_shards, place_on_host
-from hackable_diffusion.interop.safetensors_io import open_safetensors, weight_files
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
 from hackable_diffusion.model.transformer import DiffusionGemma
@@ -85,21 +80,28 @@ def _as_qarray(raw: tuple[np.ndarray, ...], kind: str, kernel: bool,
   return qwix.QArray(values, np.ascontiguousarray(swap(block)), qtype=jnp.float4_e2m1fn), table
 
 
-def _stored(key: str, grouped: load_plan.Grouped, where: Any, var: nnx.Variable, param: str | None,
-            mode: str) -> tuple[qwix.QArray, jax.Array | None] | None:
+def _stored(key: str, plan: load_plan.LoadPlan, var: nnx.Variable, param: str | None, mode: str,
+            finite_in: str | None) -> tuple[qwix.QArray, jax.Array | None] | None:
   """The checkpoint's own quantized values and scales of one weight in our layout (FP8 in 'fp8' mode, NVFP4 in
-  'nvfp4' mode), or None when it is stored otherwise."""
+  'nvfp4' mode), or None when it is stored otherwise. `finite_in`: the file named when a stored part (values,
+  scales, global scale; FP4 codes cannot be) holds a NaN or an inf, one reduction each; None: not checked."""
   kind = _KINDS.get(mode)
   if kind is None:
     return None
+  grouped = plan.grouped
   if param is None:
-    raw = load_plan.stored_quantized(grouped.layers[key], where, kind) if key in grouped.layers else None
-    return None if raw is None else _as_qarray(raw, kind, kernel=True)
-  if key not in grouped.experts:
+    raw = load_plan.stored_quantized(grouped.layers[key], plan.where, kind) if key in grouped.layers else None
+  elif key in grouped.experts:
+    raw = load_plan.stacked_quantized(key, grouped.experts[key], grouped.layers, plan.where, var.shape[0], kind)
+  else:
     return None  # a fused expert tensor: stored dense (compressed-tensors quantizes nn.Linear modules only)
-  raw = load_plan.stacked_quantized(key, grouped.experts[key], grouped.layers, where, var.shape[0], kind)
+  if raw is None:
+    return None
+  if finite_in is not None:
+    for part in raw:
+      placement.check_finite(part, finite_in, key)
   groups = 2 if param == "gate_up_proj" else 1  # gate and up stored apart, each with its own global scale
-  return None if raw is None else _as_qarray(raw, kind, kernel=False, groups=groups)
+  return _as_qarray(raw, kind, kernel=param is None, groups=groups)
 
 
 def _quantize(value: np.ndarray, spec: qlora.QuantizationSpec, param: str | None,
@@ -111,50 +113,28 @@ def _quantize(value: np.ndarray, spec: qlora.QuantizationSpec, param: str | None
 
 
 def load_weights_quantized(model: nnx.Module, path: str, spec: qlora.QuantizationSpec, *, mesh: Mesh | None = None,
-                           rules: Rules = LOGICAL_AXIS_RULES) -> nnx.Module:
+                           rules: Rules = LOGICAL_AXIS_RULES, check_finite: bool = True) -> nnx.Module:
   """Fills the abstract dense `model` (`nnx.eval_shape`) from the checkpoint at `path` and returns it with its
   quantization targets replaced by `lora.qlora` modules holding the quantized weights. `mesh`: every array goes
-  straight into its shards. Errors as `interop.hf.load_weights`."""
-  names = hf_tensor_names(model)
-  variables = dict(iter_variables(model))
+  straight into its shards. Errors (and `check_finite`, here also for the values and scales of weights kept as
+  stored) as `interop.hf.load_weights`."""
+  plan = load_plan.prepare_load(model, path)
   targets = _targets(model)
-  config_path = os.path.join(path, "config.json")
-  config = None
-  if os.path.exists(config_path):
-    config = quantized.parse_quantization_config(read_json(config_path, error=CheckpointError), config_path)
-  files = weight_files(path)
-  where = load_plan.locate(files)
-  grouped = load_plan.group(names, where, config)
-  planned = load_plan.plan(grouped, names, variables, where, config, files)
   place = place_on_host if mesh is None else place_in_shards(mesh, rules)
   qarrays: dict[Path, dict[str | None, tuple[qwix.QArray, Any]]] = {}
-  loaded: set[str] = set()
   kept = 0
-  for file in files:
-    if not planned[file]:
+  for file, key, var, source in plan.read(check_finite=check_finite):
+    var_path, _ = plan.names[key]
+    if var_path not in targets:
+      var.set_value(place(source, var))
       continue
-    with open_safetensors(file) as handle:
-      for key, factory in planned[file]:
-        var_path, _ = names[key]
-        var = variables[var_path]
-        loaded.add(key)
-        if var_path not in targets:
-          var.set_value(place(factory(handle), var))
-          continue
-        module_path, param = targets[var_path]
-        q = _stored(key, grouped, where, var, param, spec.mode)
-        if q is None:
-          q = _quantize(factory(handle).read(), spec, param, key)
-        else:
-          kept += 1
-        qarrays.setdefault(module_path, {})[param] = q
-  missing = sorted(set(names) - loaded)
-  if missing:
-    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
-  if grouped.skipped_vision:
-    logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", path,
-                    grouped.skipped_vision)
+    module_path, param = targets[var_path]
+    q = _stored(key, plan, var, param, spec.mode, file if check_finite else None)
+    if q is None:
+      q = _quantize(source.read(), spec, param, key)
+    else:
+      kept += 1
+    qarrays.setdefault(module_path, {})[param] = q
   if kept:
     logging.info("%s: kept %d %s weights with their stored scales (no dequantization)", path, kept,
                  spec.mode.upper())
@@ -184,19 +164,18 @@ def _place_quantized(model: nnx.Module, mesh: Mesh | None, rules: Rules) -> None
 
 def load_pretrained_quantized(path: str, base_quantization: str, dtype: Any = "auto", *, block_size: int = 64,
                               compute_dtype: Any = None, mesh: Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES,
-                              **config_overrides: Any) -> DiffusionGemma:
+                              check_finite: bool = True, **config_overrides: Any) -> DiffusionGemma:
   """`hd.load_pretrained` with the base quantized tensor by tensor: `base_quantization` 'fp8', 'int4' or 'nvfp4'
   (`block_size`: input elements per int4 scale). `dtype`: the dense parameters' dtype (the embedding, norms, router;
   what the quantized weights dequantize back to on export), 'auto' = the checkpoint's; `compute_dtype`: the
-  forward's (default `dtype`). Then `lora.apply_lora(model, LoraConfig(..., base_quantization=<same mode>))`.
+  forward's (default `dtype`). `check_finite`: a tensor holding a NaN or an inf is refused (one-line
+  `CheckpointError` naming it and its file), as by `hd.load_pretrained`. Then
+  `lora.apply_lora(model, LoraConfig(..., base_quantization=<same mode>))`.
   """
   spec = qlora.QuantizationSpec(mode=base_quantization, block_size=block_size)
   path = resolve_model_path(path)
-  dtype = jnp.dtype(resolve_dtype(path, dtype))
-  compute = jnp.dtype(compute_dtype) if compute_dtype is not None else dtype
-  config = load_config(path, param_dtype=dtype.name, dtype=compute.name, **config_overrides)
-  model = nnx.eval_shape(lambda: DiffusionGemma(config, rngs=nnx.Rngs(0)))
-  return load_weights_quantized(model, path, spec, mesh=mesh, rules=rules)
+  model = abstract_model(path, dtype, compute_dtype, **config_overrides)
+  return load_weights_quantized(model, path, spec, mesh=mesh, rules=rules, check_finite=check_finite)
 
 
 __all__ = ["load_pretrained_quantized", "load_weights_quantized"]

@@ -3,12 +3,14 @@
 Owns the file names (`WEIGHTS_NAME`, `INDEX_NAME`, the index's `weight_map`), the safetensors header format and
 plain-file reads of single tensors (no memory map: the file's pages never count as resident memory), plus lazy
 iteration over every stored tensor (`iter_tensors`) and the checkpoint's size on disk (`checkpoint_nbytes`).
-Every malformed, missing or truncated file is a one-line `CheckpointError` naming the file.
+Every malformed, missing or truncated file is a one-line `CheckpointError` naming the file; a header's declared
+sizes are checked against the file's before anything of their size is read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -57,13 +59,46 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": j
 
 
 def read_header(file: str) -> tuple[dict[str, Any], int]:
-  """The safetensors JSON header of `file` and the byte offset where tensor data starts."""
+  """The safetensors JSON header of `file` and the byte offset where tensor data starts.
+
+  The declared header length and every tensor's byte range are checked against the file's size before anything of
+  that size is read or allocated (a corrupt or hostile length is a one-line `CheckpointError` naming the file,
+  never a `MemoryError`), and every entry's `dtype` / `shape` / `data_offsets` against each other."""
   try:
     with open(file, "rb") as f:
+      size = os.fstat(f.fileno()).st_size
       (n,) = struct.unpack("<Q", f.read(8))
-      return json.loads(f.read(n)), 8 + n
+      text = f.read(n) if n <= size - 8 else None
+    header = json.loads(text) if text is not None else None
   except (OSError, struct.error, ValueError) as e:
     raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+  if text is None:
+    raise CheckpointError(f"{file}: not a readable safetensors file (its header declares {n} bytes, the file has "
+                          f"{size - 8} after the length)")
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{file}: not a readable safetensors file (its header is not a JSON object)")
+  for name, entry in header.items():
+    if name != "__metadata__":
+      _check_entry(file, name, entry, size - 8 - n)
+  return header, 8 + n
+
+
+def _check_entry(file: str, name: str, entry: Any, data_size: int) -> None:
+  """One header entry: its layout, a byte range inside the file's `data_size` bytes of tensor data, and (for a
+  dtype we read) as many bytes as its shape needs."""
+  entry = entry if isinstance(entry, dict) else {}
+  dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+  if not (isinstance(dtype, str) and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+          and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    raise CheckpointError(f"{file}: malformed safetensors header entry for tensor {name!r} (expected dtype, shape "
+                          "and data_offsets [begin, end])")
+  begin, end = offsets
+  if not 0 <= begin <= end <= data_size:
+    raise CheckpointError(f"{file}: tensor {name!r} declares bytes [{begin}, {end}) but the file holds {data_size} "
+                          "bytes of tensor data (truncated or corrupt)")
+  if dtype in _ST_DTYPES and end - begin != (need := math.prod(shape) * np.dtype(_ST_DTYPES[dtype]).itemsize):
+    raise CheckpointError(f"{file}: tensor {name!r} ({dtype} {tuple(shape)}) declares {end - begin} bytes, "
+                          f"expected {need}")
 
 
 def read_tensor(file: str, name: str, header: Mapping[str, Any], start: int) -> np.ndarray:

@@ -314,20 +314,6 @@ def _examples(candidates: Mapping[str, Any]) -> list[str]:
   return layer0 + rest[:3]
 
 
-def _get(node: Any, path: tuple[Any, ...]) -> Any:
-  for p in path:
-    node = node[p] if isinstance(p, int) else getattr(node, p)
-  return node
-
-
-def _set(root: Any, path: tuple[Any, ...], value: Any) -> None:
-  parent = _get(root, path[:-1])
-  if isinstance(path[-1], int):
-    parent[path[-1]] = value
-  else:
-    setattr(parent, path[-1], value)
-
-
 def lora_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], LoRALinear | LoRAExperts]]:
   """(path, module) of every adapter-carrying module, in model order."""
   for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
@@ -363,11 +349,11 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
   for name in targets:
     path, param = table[name]
     if param is None:
-      module = _get(model, path)
+      module = qlora.module_at(model, path)
       d_in, d_out = module.in_features, module.out_features
       specs.append(((d_in, config.rank), (config.rank, d_out), d_in))
     else:
-      e, d_out, d_in = _get(model, path).weight_shape(param)
+      e, d_out, d_in = qlora.module_at(model, path).weight_shape(param)
       specs.append(((e, d_in, config.rank), (e, config.rank, d_out), d_in))
   values = _init_factors(rngs.params(), tuple(specs), config.param_dtype)
   dropout_key = LoRADropoutKey(_dropout_off()) if config.dropout > 0 else None  # one variable, shared
@@ -375,14 +361,15 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
   for name, (a, b) in zip(targets, values):
     path, param = table[name]
     if param is None:
-      base = _get(model, path)
-      _set(model, path, _lora_linear_class(base)(base, lora_a=a, lora_b=b, scale=config.scale, dropout=config.dropout,
-                                                 dropout_key=dropout_key, dropout_index=targets.index(name)))
+      base = qlora.module_at(model, path)
+      wrapped = _lora_linear_class(base)(base, lora_a=a, lora_b=b, scale=config.scale, dropout=config.dropout,
+                                         dropout_key=dropout_key, dropout_index=targets.index(name))
+      qlora.set_module(model, path, wrapped)
     else:
       experts.setdefault(path, {})[param] = (a, b)
   for path, factors in experts.items():
-    base = _get(model, path)
-    _set(model, path, _lora_experts_class(base)(base, factors=factors, scale=config.scale))
+    base = qlora.module_at(model, path)
+    qlora.set_module(model, path, _lora_experts_class(base)(base, factors=factors, scale=config.scale))
   return model
 
 

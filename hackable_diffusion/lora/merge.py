@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hackable_diffusion.lora import qlora
-from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRAExperts, LoRALinear, _set, lora_modules
+from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRAExperts, LoRALinear, lora_modules
 from hackable_diffusion.model import moe, scan
 
 
@@ -60,7 +60,8 @@ def merge(model: nnx.Module) -> nnx.Module:
   """
   model = nnx.clone(scan.unstack_layers(model))
   for path, module in list(lora_modules(model)):
-    _set(model, path, _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module))
+    plain = _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module)
+    qlora.set_module(model, path, plain)
   return qlora.dequantize_base(model)
 
 

@@ -14,9 +14,10 @@ Same algorithm and outputs as transformers' `DiffusionGemmaForBlockDiffusion.gen
       finished rows are frozen
     commit the argmax canvas; EOS ends a row, tokens after it become pad; rows finished earlier get pad.
 
-The call reads as: `prepare` (every input validated into one `Prepared`, `sampling/prepare.py`), then per
-canvas: encode (the new prefix into the KV cache), denoise (one compiled `lax.while_loop` over a small
-`flax.struct` state, `sampling/denoise.py`; no host round trip per step), commit (EOS / pad handling, below).
+The call reads as: `prepare` (the arguments, as one `GenerateRequest`, validated into one `Prepared`,
+`sampling/prepare.py`), then per canvas: encode (the new prefix into the KV cache), denoise (one compiled
+`lax.while_loop` over a small `flax.struct` state, `sampling/denoise.py`; no host round trip per step), commit
+(EOS / pad handling, below).
 Compiled programs are cached per (model graph, static options) in one bounded cache (`sampling/programs.py`)
 and, inside, per shape and acceptance-rule class; prompts are padded to a length bucket so that one program
 serves many prompt lengths. The bucket padding goes *after* the prompt with the cache length rewound to the true
@@ -45,7 +46,7 @@ from hackable_diffusion.model.attention import KVCache
 from hackable_diffusion.sampling import programs
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseScalars, DenoiseState, StepInfo
-from hackable_diffusion.sampling.prepare import Prepared, prepare
+from hackable_diffusion.sampling.prepare import GenerateRequest, Prepared, prepare
 from hackable_diffusion.sampling.programs import clear_cache, trace_counts
 from hackable_diffusion.sampling.rules import AcceptanceRule
 
@@ -121,9 +122,10 @@ def generate(
   Returns:
     A `GenerateOutput` (see there).
   """
-  p = prepare(model, input_ids, config, rng=rng, attention_mask=attention_mask, seed_canvas=seed_canvas,
-              pinned=pinned, allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
-              acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh)
+  p = prepare(model, GenerateRequest(
+      input_ids=input_ids, config=config, rng=rng, attention_mask=attention_mask, seed_canvas=seed_canvas,
+      pinned=pinned, allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
+      acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh))
   graphdef, state = nnx.split(model)
   encode = programs.encode_program(graphdef, p.mesh)
   place, to_host = _placement(p.mesh)

@@ -1,4 +1,4 @@
-"""`prepare`: every input of a `generate` call validated and normalised into one frozen `Prepared` object.
+"""`prepare`: every input of a `generate` call (one `GenerateRequest`) validated and normalised into one `Prepared`.
 
 Checks (one-line `ValueError`s naming the argument and the bad value or shape): the config type, the PRNG key,
 token ids inside the vocabulary, 2-D integer ids, mask shapes and values, seed canvases of whole canvases no longer
@@ -26,6 +26,27 @@ from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseStatic, StepInfo
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GenerateRequest:
+  """The inputs of one `generate` call as given, before any check (the meaning of each: `generate`'s arguments).
+
+  What `prepare` takes: `generate` builds one from its arguments, `generate_stream` one per row.
+  """
+
+  input_ids: Any
+  rng: Array
+  config: SamplingConfig | None = None
+  attention_mask: Any = None
+  seed_canvas: Any = None
+  pinned: Any = None
+  allowed_token_ids: Sequence[int] | Any = None
+  canvas_attention_mask: Any = None
+  acceptance: rules.AcceptanceRule | None = None
+  callback: Callable[[StepInfo], Any] | None = None
+  return_trajectory: bool = False
+  mesh: Mesh | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -230,65 +251,51 @@ def _check_structured_prompt(model: Any, structure: Array | None, mask: np.ndarr
                      f"{mask.shape[1]}): every prompt needs real tokens in those slots")
 
 
-def prepare(
-    model: Any,
-    input_ids: Any,
-    config: SamplingConfig | None = None,
-    *,
-    rng: Array,
-    attention_mask: Any = None,
-    seed_canvas: Any = None,
-    pinned: Any = None,
-    allowed_token_ids: Sequence[int] | Any = None,
-    canvas_attention_mask: Any = None,
-    acceptance: rules.AcceptanceRule | None = None,
-    callback: Callable[[StepInfo], Any] | None = None,
-    return_trajectory: bool = False,
-    mesh: Mesh | None = None,
-) -> Prepared:
-  """Validates and normalises the arguments of `generate` (same meanings; see there) into a `Prepared`."""
-  if config is not None and not isinstance(config, SamplingConfig):
-    raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
-  config = (config or SamplingConfig()).resolve(model.config)
+def prepare(model: Any, request: GenerateRequest) -> Prepared:
+  """Validates and normalises the inputs of one `generate` call into a `Prepared`."""
+  r = request
+  if r.config is not None and not isinstance(r.config, SamplingConfig):
+    raise ValueError(f"config must be a SamplingConfig, got {type(r.config).__name__}")
+  config = (r.config or SamplingConfig()).resolve(model.config)
   vocab = int(model.config.vocab_size)
-  ids = _int_array("input_ids", input_ids, 2)
+  ids = _int_array("input_ids", r.input_ids, 2)
   batch, prompt_len = ids.shape
   if batch == 0 or prompt_len == 0:
     raise ValueError(f"input_ids must have at least one row and one token, got shape {ids.shape}")
-  row_keys, key_impl = _check_key(rng, batch)
-  if row_keys is not None and return_trajectory:
+  row_keys, key_impl = _check_key(r.rng, batch)
+  if row_keys is not None and r.return_trajectory:
     raise ValueError("generate: return_trajectory needs a single rng key (not one key per row)")
   _check_ids("input_ids", ids, vocab)
   mask = np.ones(ids.shape, bool)
-  if attention_mask is not None:
-    mask = _bool_array("attention_mask", attention_mask, ids.shape, "input_ids")
+  if r.attention_mask is not None:
+    mask = _bool_array("attention_mask", r.attention_mask, ids.shape, "input_ids")
   canvas_len = config.canvas_length
   num_canvases = config.num_canvases()
   seeds = None
-  if seed_canvas is not None:
-    seeds = _int_array("seed_canvas", seed_canvas, 2)
+  if r.seed_canvas is not None:
+    seeds = _int_array("seed_canvas", r.seed_canvas, 2)
     if seeds.shape[0] != batch or seeds.shape[1] == 0 or seeds.shape[1] % canvas_len \
         or seeds.shape[1] > num_canvases * canvas_len:
       raise ValueError(f"seed_canvas has shape {seeds.shape}; expected ({batch}, k * {canvas_len}) with "
                        f"1 <= k <= {num_canvases} canvases")
     _check_ids("seed_canvas", seeds, vocab)
   pins = None
-  if pinned is not None:
+  if r.pinned is not None:
     if seeds is None:
       raise ValueError("pinned was given without seed_canvas: pinned positions keep their seed_canvas token")
-    pins = _bool_array("pinned", pinned, seeds.shape, "seed_canvas")
-  allowed = None if allowed_token_ids is None else _allowed_mask(allowed_token_ids, batch, vocab)
+    pins = _bool_array("pinned", r.pinned, seeds.shape, "seed_canvas")
+  allowed = None if r.allowed_token_ids is None else _allowed_mask(r.allowed_token_ids, batch, vocab)
   structure = None
-  if canvas_attention_mask is not None:
-    structure = jnp.asarray(canvas_attention_mask, bool)
+  if r.canvas_attention_mask is not None:
+    structure = jnp.asarray(r.canvas_attention_mask, bool)
     if structure.ndim != 4 or structure.shape[-2] != canvas_len or structure.shape[-1] < canvas_len:
       raise ValueError(f"canvas_attention_mask has shape {structure.shape}, expected [B|1, N|1, {canvas_len}, "
                        f"P + {canvas_len}]")
   _check_structured_prompt(model, structure, mask, canvas_len)
-  if callback is not None and not callable(callback):
-    raise ValueError(f"callback must be callable, got {type(callback).__name__}")
-  rule, rule_arg = _rule(config, acceptance)
-  _check_mesh(mesh, batch)
+  if r.callback is not None and not callable(r.callback):
+    raise ValueError(f"callback must be callable, got {type(r.callback).__name__}")
+  rule, rule_arg = _rule(config, r.acceptance)
+  _check_mesh(r.mesh, batch)
   static = DenoiseStatic(
       vocab_size=vocab,
       stability_threshold=config.stability_threshold,
@@ -296,16 +303,16 @@ def prepare(
       has_allowed=allowed is not None,
       has_structure=structure is not None,
       static_rule=rule if rule_arg is None else None,
-      has_callback=callback is not None,
-      trajectory_steps=config.max_denoising_steps if return_trajectory else None,
+      has_callback=r.callback is not None,
+      trajectory_steps=config.max_denoising_steps if r.return_trajectory else None,
       self_conditioning=config.self_conditioning,
   )
   return Prepared(
-      config=config, vocab_size=vocab, rng=rng, row_keys=row_keys, key_impl=key_impl,
+      config=config, vocab_size=vocab, rng=r.rng, row_keys=row_keys, key_impl=key_impl,
       input_ids=ids.astype(np.int32), attention_mask=mask,
       seed_canvas=None if seeds is None else seeds.astype(np.int32), pinned=pins, allowed=allowed,
-      structure=structure, rule=rule, rule_arg=rule_arg, callback=callback, return_trajectory=bool(return_trajectory),
-      mesh=mesh, static=static)
+      structure=structure, rule=rule, rule_arg=rule_arg, callback=r.callback,
+      return_trajectory=bool(r.return_trajectory), mesh=r.mesh, static=static)
 
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["GenerateRequest", "Prepared", "prepare"]

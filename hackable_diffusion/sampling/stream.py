@@ -33,7 +33,7 @@ from hackable_diffusion.sampling import programs
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseScalars
 from hackable_diffusion.sampling.generate import commit_canvas
-from hackable_diffusion.sampling.prepare import Prepared, prepare
+from hackable_diffusion.sampling.prepare import GenerateRequest, Prepared, prepare
 from hackable_diffusion.sampling.rules import AcceptanceRule
 
 Array = jax.Array
@@ -130,9 +130,9 @@ def generate_stream(
   if first is None:
     return
   width = prompt_length or len(np.asarray(first[1].input_ids).reshape(-1))
-  shared = prepare(model, np.zeros((batch_size, width), np.int32), config, rng=rng,
-                   allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
-                   acceptance=acceptance)
+  shared = prepare(model, GenerateRequest(
+      input_ids=np.zeros((batch_size, width), np.int32), config=config, rng=rng, allowed_token_ids=allowed_token_ids,
+      canvas_attention_mask=canvas_attention_mask, acceptance=acceptance))
   static = dataclasses.replace(shared.static, has_pins=True)  # all-False pins change nothing
   run = _Runner(model, shared, static, batch_size, width)
   pending = itertools.chain([first], items)
@@ -220,8 +220,8 @@ def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width:
   padded[0, width - ids.size:], mask[0, width - ids.size:] = ids, given
   as_row = (lambda x: None if x is None else np.asarray(x)[None])
   try:
-    return prepare(model, padded, config, rng=rng, attention_mask=mask, seed_canvas=as_row(request.seed_canvas),
-                   pinned=as_row(request.pinned))
+    return prepare(model, GenerateRequest(input_ids=padded, config=config, rng=rng, attention_mask=mask,
+                                          seed_canvas=as_row(request.seed_canvas), pinned=as_row(request.pinned)))
   except ValueError as e:
     raise type(e)(f"generate_stream: request {index}: {e}") from None
 

@@ -296,3 +296,79 @@ def test_missing_and_unexpected_tensors(hf_factory, tmp_path, kind):
   with pytest.raises(CheckpointError) as e:
     hd.load_pretrained(str(tmp_path))
   assert name in _one_line(e) and kind in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["host", "mesh"])
+def test_non_finite_weight_is_refused(hf_factory, tmp_path, where):
+  # one NaN (one inf on the mesh path, read block by block) is a one-line error naming the tensor and its file;
+  # check_finite=False loads it as it is
+  from safetensors.torch import load_file, save_file
+
+  from hackable_diffusion import sharding as sh
+
+  _, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
+  _copy_checkpoint(path, tmp_path)
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  name = "model.decoder.layers.1.mlp.up_proj.weight"
+  tensors[name][3, 5] = float("nan") if where == "host" else -float("inf")
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  kw = {} if where == "host" else {"mesh": sh.make_mesh(sh.MeshConfig(data=1, fsdp=1, tensor=1, expert=1))}
+  with pytest.raises(CheckpointError) as e:
+    hd.load_pretrained(str(tmp_path), **kw)
+  msg = _one_line(e)
+  assert repr(name) in msg and "model.safetensors" in msg and "NaN or inf" in msg and "check_finite=False" in msg
+  model = hd.load_pretrained(str(tmp_path), check_finite=False, **kw)
+  kernel = np.asarray(model.layers[1].mlp.up_proj.kernel[...], np.float32)  # ours is [in, out]
+  assert not np.isfinite(kernel[5, 3]) and np.isfinite(kernel).sum() == kernel.size - 1
+
+
+def test_all_finite_when_the_sum_overflows():
+  from hackable_diffusion.interop.placement import all_finite
+
+  big = np.full(4, np.finfo(np.float32).max, np.float32)  # finite values whose float32 sum overflows
+  big_bf16 = np.full(4, jnp.finfo(jnp.bfloat16).max, jnp.bfloat16)
+  assert all_finite(big) and all_finite(big_bf16) and all_finite(np.arange(5))
+  assert not all_finite(np.array([1.0, np.nan], jnp.bfloat16)) and not all_finite(np.array([np.inf, -np.inf]))
+
+
+def _rewrite_header(file, edit) -> None:
+  """Rewrites the safetensors header of `file` through `edit(header) -> (header bytes, declared length)`."""
+  import struct
+
+  data = file.read_bytes()
+  (n,) = struct.unpack("<Q", data[:8])
+  text, declared = edit(json.loads(data[8:8 + n]))
+  file.write_bytes(struct.pack("<Q", declared) + text + data[8 + n:])
+
+
+def test_header_longer_than_the_file_is_refused(hf_factory, tmp_path):
+  # a declared header length of 10**15 bytes: refused from the file's size, never allocated
+  _, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
+  _copy_checkpoint(path, tmp_path)
+  _rewrite_header(tmp_path / "model.safetensors", lambda h: (json.dumps(h).encode(), 10**15))
+  with pytest.raises(CheckpointError) as e:
+    hd.load_pretrained(str(tmp_path))
+  assert "model.safetensors" in _one_line(e) and str(10**15) in str(e.value)
+
+
+@pytest.mark.parametrize("edit", ["past_the_end", "wrong_size", "malformed"])
+def test_tensor_byte_range_is_checked_against_the_file(hf_factory, tmp_path, edit):
+  _, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
+  _copy_checkpoint(path, tmp_path)
+  name = "model.decoder.layers.1.mlp.up_proj.weight"
+
+  def change(header):
+    begin, end = header[name]["data_offsets"]
+    if edit == "past_the_end":
+      header[name]["data_offsets"] = [begin, 10**15]
+    elif edit == "wrong_size":
+      header[name]["data_offsets"] = [begin, end - 2]
+    else:
+      del header[name]["shape"]
+    text = json.dumps(header).encode()
+    return text, len(text)
+
+  _rewrite_header(tmp_path / "model.safetensors", change)
+  with pytest.raises(CheckpointError) as e:
+    hd.load_pretrained(str(tmp_path))
+  assert "model.safetensors" in _one_line(e) and repr(name) in str(e.value)

@@ -26,8 +26,8 @@ from hackable_diffusion.interop.qlora_load import load_pretrained_quantized
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
 from hackable_diffusion.model.transformer import forward
-from hackable_diffusion.training import config as config_lib
-from hackable_diffusion.training import run as run_lib
+from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import run as run_lib
 
 peft = pytest.importorskip("peft")
 
@@ -308,3 +308,39 @@ def test_save_pretrained_refuses_a_quantized_base(hf_factory, tmp_path):
   with pytest.raises(CheckpointError, match="base is quantized") as e:
     hd.save_pretrained(model, str(tmp_path / "out"))
   assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "out" / "config.json")
+
+
+def _with_value(path: str, out, name: str, index: tuple[int, ...], value: float) -> str:
+  """A copy of the checkpoint `path` in `out` with element `index` of the stored tensor `name` set to `value`."""
+  from safetensors.torch import save_file
+
+  for file in os.listdir(path):
+    if not file.endswith(".safetensors"):
+      (out / file).write_bytes(open(os.path.join(path, file), "rb").read())
+      continue
+    tensors = load_file(os.path.join(path, file))
+    if name in tensors:
+      tensor = tensors[name]
+      tensors[name] = tensor.float().index_put_(tuple(torch.tensor([i]) for i in index),
+                                                torch.tensor([value])).to(tensor.dtype)
+    save_file(tensors, str(out / file), metadata={"format": "pt"})
+  return str(out)
+
+
+@pytest.mark.parametrize("mode, scheme, name", [
+    ("int4", None, "model.decoder.layers.1.self_attn.q_proj.weight"),  # dense, quantized at load
+    ("int4", None, "model.decoder.embed_tokens.weight"),  # dense, not a quantization target
+    ("fp8", "FP8_DYNAMIC", "model.decoder.layers.1.self_attn.q_proj.weight"),  # float8 values kept as stored
+    ("fp8", "FP8_DYNAMIC", "model.decoder.layers.1.self_attn.q_proj.weight_scale"),  # its scales
+    ("nvfp4", "NVFP4", "model.decoder.layers.1.self_attn.q_proj.weight_scale"),  # NVFP4 block scales kept as stored
+])
+def test_quantized_load_refuses_non_finite_values(hf_factory, checkpoints, tmp_path, mode, scheme, name):  # noqa: F811
+  path = hf_factory("qlora_base", **HF_KW)[1] if scheme is None else checkpoints(scheme, "fused")
+  bad = _with_value(path, tmp_path, name, (2, 0), float("nan"))
+  with pytest.raises(CheckpointError) as e:
+    load_pretrained_quantized(bad, mode, block_size=BLOCK)
+  msg = str(e.value)
+  weight = name[:name.index(".weight")] + ".weight"  # the error names the weight the part belongs to
+  assert "\n" not in msg and repr(weight) in msg and "model.safetensors" in msg, msg
+  model = load_pretrained_quantized(bad, mode, block_size=BLOCK, check_finite=False)
+  assert qlora.base_quantization(model) == mode

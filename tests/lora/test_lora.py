@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +28,15 @@ def _flat(state) -> dict[str, np.ndarray]:
   return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
 
 
-def _randomize(model, seed: int, std: float = 0.3) -> None:
+def randomize_adapters(model, seed: int, std: float = 0.3) -> None:
+  """Every adapter factor of `model` drawn from N(0, std^2) (B is zero after `apply_lora`: no effect yet)."""
   rng = np.random.default_rng(seed)
   for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
     v.value = jnp.asarray(std * rng.standard_normal(v.shape), v.dtype)
 
 
-def _inputs(seed: int = 0):
+def model_inputs(seed: int = 0):
+  """(prompt ids [2, 5], canvas [2, C], self-conditioning logits [2, C, V]) for the tiny config."""
   rng = np.random.default_rng(seed)
   ids = jnp.asarray(rng.integers(3, 60, (2, 5)), jnp.int32)
   canvas = jnp.asarray(rng.integers(3, 60, (2, CFG.canvas_length)), jnp.int32)
@@ -125,7 +128,7 @@ def test_base_paths_unchanged_and_adapters_separate(base, wrapped):
 
 
 def test_zero_init_keeps_logits(base, wrapped):
-  ids, canvas, sc = _inputs()
+  ids, canvas, sc = model_inputs()
   a = np.asarray(forward(base, ids, canvas, self_conditioning_logits=sc))
   b = np.asarray(forward(wrapped, ids, canvas, self_conditioning_logits=sc))
   # B = 0 adds exact zeros; any difference is XLA fusing a different graph differently
@@ -134,8 +137,8 @@ def test_zero_init_keeps_logits(base, wrapped):
 
 def test_merge_equals_adapter_logits_and_returns_a_plain_model(base, wrapped):
   model = nnx.clone(wrapped)
-  _randomize(model, 0)
-  ids, canvas, sc = _inputs(1)
+  randomize_adapters(model, 0)
+  ids, canvas, sc = model_inputs(1)
   with_adapter = np.asarray(forward(model, ids, canvas, self_conditioning_logits=sc))
   plain = np.asarray(forward(base, ids, canvas, self_conditioning_logits=sc))
   assert np.max(np.abs(with_adapter - plain)) > 0.05  # the adapter really does something
@@ -175,7 +178,7 @@ def test_dropout_only_with_an_explicit_key():
   m = init_model(CFG, 0)
   cfg = lora.LoraConfig(rank=2, dropout=0.5, target_modules=(r"layers\.0\.mlp\.(up|gate)_proj",))
   wrapped = lora.apply_lora(m, cfg, rngs=nnx.Rngs(0))
-  _randomize(wrapped, 1)
+  randomize_adapters(wrapped, 1)
   up, gate = wrapped.layers[0].mlp.up_proj, wrapped.layers[0].mlp.gate_proj
   assert up.dropout_key is gate.dropout_key  # one shared variable
   x = jnp.ones((4, 32))
@@ -201,12 +204,38 @@ def test_dropout_only_with_an_explicit_key():
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def _batch(seed: int = 0) -> SFTBatch:
+def sft_batch(seed: int = 0) -> SFTBatch:
+  """A small SFT batch of the tiny config: random prompts, one fixed completion (easy to learn)."""
   rng = np.random.default_rng(seed)
   b, p, width = 4, 4, 2 * CFG.canvas_length
   comp = np.tile(np.arange(3, 3 + width)[None], (b, 1))
   return SFTBatch(prompt_ids=jnp.asarray(rng.integers(3, 60, (b, p)), jnp.int32), prompt_mask=jnp.ones((b, p), bool),
                   completion_ids=jnp.asarray(comp, jnp.int32), completion_mask=jnp.ones((b, width), bool))
+
+
+class Trained(NamedTuple):
+  model: nnx.Module  # the adapted model before training
+  graphdef: Any
+  initial: Any  # the train state before the first step (kept: the steps do not donate it)
+  final: Any
+  losses: list[float]
+
+
+def train_adapters(base: nnx.Module, config: lora.LoraConfig, steps: int) -> Trained:
+  """`base` with adapters `config`, only the adapters trained `steps` steps on `sft_batch()`. The embeddings of a
+  copy of `base` are scaled x25 first: the tied LM head (frozen here) must allow confident logits."""
+  start = nnx.clone(base)
+  start.embed_tokens.value = start.embed_tokens.value * 25
+  model = lora.apply_lora(start, config, rngs=nnx.Rngs(0))
+  tx, _ = make_optimizer(OptimizerConfig(peak_lr=3e-2, warmup_steps=0, decay_steps=100, weight_decay=0.0))
+  graphdef, state = init_train_state(model, tx, trainable=nnx.LoRAParam)
+  assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state.params))
+  step = make_train_step(graphdef, tx, LossConfig(), donate=False)
+  batch, initial, losses = sft_batch(), state, []
+  for i in range(steps):
+    state, metrics = step(state, batch, jax.random.key(i))
+    losses.append(float(metrics["loss"]))
+  return Trained(model, graphdef, initial, state, losses)
 
 
 def _opt_bytes(opt_state) -> tuple[int, int]:
@@ -215,20 +244,8 @@ def _opt_bytes(opt_state) -> tuple[int, int]:
 
 
 def test_training_only_adapters(base):
-  # Larger embeddings than the init's std 0.02: the tied LM head (frozen here) must allow confident logits.
-  start = nnx.clone(base)
-  start.embed_tokens.value = start.embed_tokens.value * 25
-  model = lora.apply_lora(start, lora.LoraConfig(rank=4, alpha=8, target_modules=ALL), rngs=nnx.Rngs(0))
-  tx, _ = make_optimizer(OptimizerConfig(peak_lr=3e-2, warmup_steps=0, decay_steps=100, weight_decay=0.0))
-  graphdef, state = init_train_state(model, tx, trainable=nnx.LoRAParam)
-  assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state.params))
-  base_before = {k: v.copy() for k, v in _flat(state.rest).items()}
-  adapters_before = {k: v.copy() for k, v in _flat(state.params).items()}
-  step = make_train_step(graphdef, tx, LossConfig(), donate=False)
-  batch, losses = _batch(), []
-  for i in range(25):
-    state, metrics = step(state, batch, jax.random.key(i))
-    losses.append(float(metrics["loss"]))
+  _, graphdef, initial, state, losses = train_adapters(base, lora.LoraConfig(rank=4, alpha=8, target_modules=ALL), 25)
+  base_before, adapters_before = _flat(initial.rest), _flat(initial.params)
   assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
   after_rest = _flat(state.rest)
   for k, v in base_before.items():

@@ -25,7 +25,8 @@ from hackable_diffusion.model import moe
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, forward, init_model
 from hackable_diffusion.training.optimizer import OptimizerConfig, make_optimizer
-from hackable_diffusion.training.step import abstract_train_state, init_train_state, make_train_step
+from hackable_diffusion.training.step import abstract_train_state, make_train_step
+from test_lora import model_inputs, randomize_adapters, train_adapters
 
 CFG = get_preset("tiny")
 ALL = lora.DEFAULT_TARGETS + ("experts", "self_conditioning")
@@ -38,21 +39,7 @@ def _config(mode: str, **kw) -> lora.LoraConfig:
   return lora.LoraConfig(rank=2, alpha=6.0, target_modules=ALL, base_quantization=mode, base_block_size=BLOCK, **kw)
 
 
-def _inputs(seed: int = 0):
-  rng = np.random.default_rng(seed)
-  ids = jnp.asarray(rng.integers(3, 60, (2, 5)), jnp.int32)
-  canvas = jnp.asarray(rng.integers(3, 60, (2, CFG.canvas_length)), jnp.int32)
-  sc = jnp.asarray(3 * rng.standard_normal((2, CFG.canvas_length, CFG.vocab_size)), jnp.float32)
-  return ids, canvas, sc
-
-
-def _randomize(model, seed: int, std: float = 0.3) -> None:
-  rng = np.random.default_rng(seed)
-  for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-    v.value = jnp.asarray(std * rng.standard_normal(v.shape), v.dtype)
-
-
-def _numpy_dequantized(values, scale, table=None, out_axis: int = -1) -> np.ndarray:
+def numpy_dequantized(values, scale, table=None, out_axis: int = -1) -> np.ndarray:
   """values * scale in float32, the scale repeated over its block (numpy only). NVFP4: the scale bytes looked up
   in the table `[(E,) G, 256]` of their output-axis group."""
   v = np.asarray(jnp.asarray(values).astype(jnp.float32))  # typed values (qlora.typed)
@@ -77,11 +64,11 @@ def _dense_weights(model) -> dict[tuple, np.ndarray]:
   out = {}
   for path, m in qlora.quantization_targets(model):
     if isinstance(m, qlora.QuantizedLinear):
-      out[(*path, "kernel")] = _numpy_dequantized(qlora.typed(m.kernel[...], m.qtype), m.kernel_scale[...],
+      out[(*path, "kernel")] = numpy_dequantized(qlora.typed(m.kernel[...], m.qtype), m.kernel_scale[...],
                                                   _table(m, "kernel"))
     elif isinstance(m, qlora.QuantizedExperts):
       for name in qlora.EXPERT_PARAMS:
-        out[(*path, name)] = _numpy_dequantized(qlora.typed(getattr(m, name)[...], m.qtype),
+        out[(*path, name)] = numpy_dequantized(qlora.typed(getattr(m, name)[...], m.qtype),
                                                 getattr(m, f"{name}_scale")[...], _table(m, name), out_axis=-2)
   return out
 
@@ -197,7 +184,7 @@ def test_dequantized_weights_are_within_half_a_step_of_the_dense_ones(base, quan
                                                                                                   jnp.float32)
     np.testing.assert_array_equal(np.asarray(ours), deq)
     name = path[-1]
-    step = _numpy_dequantized(np.ones(dense.shape, np.float32), getattr(module, f"{name}_scale")[...],
+    step = numpy_dequantized(np.ones(dense.shape, np.float32), getattr(module, f"{name}_scale")[...],
                               _table(module, name), -1 if name == "kernel" else -2)
     err = np.abs(deq - dense)
     if mode == "int4":  # round to the nearest of 16 levels of `scale` (bf16 scale: 2^-9 relative on top)
@@ -233,7 +220,7 @@ def test_logits_equal_the_dense_model_on_dequantized_weights(base, quantized):
   dense model's logits is the quantization error (measured here: fp8 ~0.06-0.08, int4 ~0.2-0.25 on logits of
   max |.| ~0.5 of this random tiny model, whose weights are all noise)."""
   mode, model = quantized
-  ids, canvas, sc = _inputs()
+  ids, canvas, sc = model_inputs()
   ours = np.asarray(forward(model, ids, canvas, self_conditioning_logits=sc))
   reference = _with_weights(base, _dense_weights(model))
   np.testing.assert_allclose(ours, np.asarray(forward(reference, ids, canvas, self_conditioning_logits=sc)),
@@ -251,7 +238,7 @@ def test_logits_equal_the_dense_model_on_dequantized_weights(base, quantized):
 def test_merge_equals_merge_of_the_dequantized_base(base, quantized):
   mode, qlora_model = quantized
   model = nnx.clone(qlora_model)
-  _randomize(model, 2)
+  randomize_adapters(model, 2)
   merged = lora.merge(model)
   assert not lora.has_lora(merged) and qlora.base_quantization(merged) == "none"
   assert not nnx.state(merged, qlora.QuantizedBase)
@@ -269,7 +256,7 @@ def test_merge_equals_merge_of_the_dequantized_base(base, quantized):
   # every other variable is the base's, and the merged model computes what the adapted quantized one does: up to fp32
   # rounding through the layers (W + s*AB summed once vs Wx + s*B(Ax); measured up to 2.2e-5 on outputs of magnitude
   # ~0.4, nvfp4), while the adapters move the outputs by ~0.67, so a merge that dropped or mis-scaled them fails
-  ids, canvas, sc = _inputs(1)
+  ids, canvas, sc = model_inputs(1)
   np.testing.assert_allclose(np.asarray(forward(merged, ids, canvas, self_conditioning_logits=sc)),
                              np.asarray(forward(model, ids, canvas, self_conditioning_logits=sc)), rtol=0, atol=1e-4)
   assert {p for p, _ in nnx.to_flat_state(nnx.state(merged))} == {p for p, _ in nnx.to_flat_state(nnx.state(base))}
@@ -285,32 +272,14 @@ def test_bf16_base_merges_back_to_bf16(base):
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def _batch(seed: int = 0) -> SFTBatch:
-  rng = np.random.default_rng(seed)
-  b, p, width = 4, 4, 2 * CFG.canvas_length
-  comp = np.tile(np.arange(3, 3 + width)[None], (b, 1))
-  return SFTBatch(prompt_ids=jnp.asarray(rng.integers(3, 60, (b, p)), jnp.int32), prompt_mask=jnp.ones((b, p), bool),
-                  completion_ids=jnp.asarray(comp, jnp.int32), completion_mask=jnp.ones((b, width), bool))
-
-
 def _raw(state) -> dict[str, bytes]:
   return {".".join(map(str, p)): np.asarray(v[...]).tobytes() for p, v in nnx.to_flat_state(state)}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_step_trains_only_adapters_and_lowers_the_loss(base, mode):
-  start = nnx.clone(base)
-  start.embed_tokens.value = start.embed_tokens.value * 25  # a frozen tied head that allows confident logits
-  model = lora.apply_lora(start, _config(mode, dropout=0.1), rngs=nnx.Rngs(0))
-  tx, _ = make_optimizer(OptimizerConfig(peak_lr=3e-2, warmup_steps=0, decay_steps=100, weight_decay=0.0))
-  graphdef, state = init_train_state(model, tx, trainable=nnx.LoRAParam)
-  assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state.params))
-  rest_before, params_before = _raw(state.rest), _raw(state.params)
-  step = make_train_step(graphdef, tx, LossConfig(), donate=False)
-  batch, losses = _batch(), []
-  for i in range(15):
-    state, metrics = step(state, batch, jax.random.key(i))
-    losses.append(float(metrics["loss"]))
+  model, _, initial, state, losses = train_adapters(base, _config(mode, dropout=0.1), 15)
+  rest_before, params_before = _raw(initial.rest), _raw(initial.params)
   assert np.all(np.isfinite(losses)) and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
   rest_after = _raw(state.rest)
   quantized_keys = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, qlora.QuantizedBase))}

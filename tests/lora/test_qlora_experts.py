@@ -15,19 +15,10 @@ from flax import nnx
 
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
+from test_qlora import numpy_dequantized
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 32, 16, 4, 2, 24
 BLOCK = 16
-
-
-def _numpy_dense(qarray) -> np.ndarray:
-  """qwix's quantized values times their scales (repeated over the blocks), in numpy float32."""
-  v = np.asarray(qarray.qvalue.astype(jnp.float32))
-  s = np.asarray(qarray.scale.astype(jnp.float32))
-  for axis, (n, m) in enumerate(zip(v.shape, s.shape)):
-    if m not in (1, n):
-      s = np.repeat(s, n // m, axis=axis)
-  return v * s
 
 
 def _routing(seed: int):
@@ -48,7 +39,7 @@ def test_tiled_quantized_experts_equal_dense_experts_on_the_dequantized_weights(
   qarrays = {p: qlora.quantize(getattr(experts, p)[...], spec, in_axis=2, out_axes=(0, 1))
              for p in qlora.EXPERT_PARAMS}
   quantized = qlora.QuantizedExperts(experts, qarrays, mode, jnp.float32)
-  gate_up, down = (jnp.asarray(_numpy_dense(qarrays[p])) for p in qlora.EXPERT_PARAMS)
+  gate_up, down = (jnp.asarray(numpy_dequantized(qarrays[p].qvalue, qarrays[p].scale)) for p in qlora.EXPERT_PARAMS)
   x, w, idx = _routing(0)
   probe = jnp.asarray(np.random.default_rng(1).standard_normal((TOKENS, HIDDEN)), jnp.float32)
 

@@ -365,3 +365,21 @@ def test_input_validation(models, kwargs, message):
     gen_mod.generate(ours, call.pop("input_ids"), call.pop("config"), **call)
   assert message in str(info.value)
   assert "\n" not in str(info.value)
+
+
+def test_generate_keeps_its_signature_and_passes_every_argument_to_prepare():
+  # `generate(model, input_ids, config, *, rng, ...)` is the public contract; every argument but the model travels
+  # to `prepare` in one `GenerateRequest`
+  import dataclasses
+  import inspect
+
+  from hackable_diffusion.sampling.prepare import GenerateRequest
+
+  params = inspect.signature(hd.generate).parameters
+  assert list(params)[:3] == ["model", "input_ids", "config"]
+  assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for name, p in params.items() if name not in
+             ("model", "input_ids", "config"))
+  assert {f.name for f in dataclasses.fields(GenerateRequest)} == set(params) - {"model"}
+  for f in dataclasses.fields(GenerateRequest):
+    if f.default is not dataclasses.MISSING:
+      assert params[f.name].default == f.default, f.name
