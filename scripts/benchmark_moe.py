@@ -2,8 +2,9 @@
 backend, and what the ragged kernel's program moves on GPU/TPU.
 
 Impls timed: dense (every expert on every token: the baseline), tiled (expert-sorted tiles in a loop: what
-`moe_impl='auto'` runs on CPU), ragged (sorted tokens through `jax.lax.ragged_dot_general` on the stored HF layout:
-what 'auto' runs on GPU/TPU). `expert_parallel` (ragged per device under `shard_map` over the `expert` mesh axis;
+`moe_impl='auto'` runs on CPU), ragged (sorted tokens through `jax.lax.ragged_dot_general` on the stored HF layout),
+grouped (what 'auto' runs on GPU/TPU: tokamax's kernels where installed, else batched expert tiles; see
+`hackable_diffusion/model/moe_grouped.py`). `expert_parallel` (ragged per device under `shard_map` over the `expert` mesh axis;
 'auto' under a mesh with expert > 1) needs a mesh and is checked in tests/sharding/test_moe_mesh.py, not timed here.
 
 Four measurements, each impl on identical parameters and inputs, timed in interleaved rounds (one call of each
@@ -14,9 +15,12 @@ the cores) and both as a ratio to the dense path run in the same process.
   layer   one MoE block (router + experts) on T tokens, forward and gradient (w.r.t. input and parameters)
   decode  a full decoder forward (`model.decode`) over B x C canvas tokens, reading a 32-token encoded prompt
   train   value_and_grad of the SFT loss (`diffusion_loss`: encoder + two decoder passes) of the Sudoku model
-  cost    no timing: the ragged MoE step at the 26B-A4B expert shape (128 experts top-8, hidden 2816,
-          moe_intermediate 704, bf16) lowered for 'cuda' and 'tpu' (on any machine): ragged dots in the program
-          and bytes of transposes / copies of weight-sized arrays (0: the weights are read as stored)
+  cost    no timing: the MoE step at the 26B-A4B expert shape (128 experts top-8, hidden 2816,
+          moe_intermediate 704, bf16) lowered for 'cuda' and 'tpu' (on any machine). ragged: ragged dots in the
+          program and bytes of transposes / copies of weight-sized arrays (0: the weights are read as stored).
+          ragged / gathered / dense: matmul FLOPs as a multiple of the selected experts' (`--parts=flops`,
+          forward and gradient), XLA's cost analysis of the lowered program (FLOPs, bytes), whether it has a
+          `ragged-dot` (XLA:GPU densifies it: E x the rows), and tokamax's kernels' row bound
 
 Sizes: `sudoku` (`get_preset('sudoku')`: hidden 128, moe_intermediate 128, 4 experts top-2) and `100m` (hidden
 512, moe_intermediate 512, 8 experts top-2, 8 layers, vocab 32k; scripts/benchmark_train.py's ~100M config).
@@ -25,6 +29,7 @@ Token counts 81 (1 x 81), 648 (8 x 81), 2048 (8 x 256) and, for the Sudoku train
   python scripts/benchmark_moe.py                          # everything (minutes on a 2-core CPU)
   python scripts/benchmark_moe.py --parts=layer --sizes=100m --tokens=2048
   python scripts/benchmark_moe.py --parts=cost --tokens=2048
+  python scripts/benchmark_moe.py --parts=flops --tokens=2048
   python scripts/benchmark_moe.py --smoke                  # tiny shapes, one round (tests)
 
 XLA:CPU has no ragged-dot kernel (jax lowers it to a dense masked dot over all experts), so ragged is slower than
@@ -187,22 +192,86 @@ def cost_rows(tokens: int) -> list[str]:
   return rows
 
 
+def dot_flops(jaxpr) -> int:
+  """2 * M * N * K summed over every dot_general of a jaxpr, its sub-jaxprs (custom VJPs, scans) included."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+    elif eqn.primitive.name == "ragged_dot_general":  # what a grouped GEMM does: each row times its group only
+      numbers = eqn.params["ragged_dot_dimension_numbers"]
+      (contract, _), _ = numbers.dot_dimension_numbers
+      lhs = eqn.invars[0].aval.shape
+      groups = 1 if numbers.rhs_group_dimensions else eqn.invars[2].aval.shape[0]  # ragged contraction: [G, ...]
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract) // groups
+    for p in eqn.params.values():
+      for j in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(j, "jaxpr", j)
+        if hasattr(inner, "eqns"):
+          total += dot_flops(inner)
+  return total
+
+
+def flops_rows(tokens: int) -> list[str]:
+  """Matmul FLOPs of each MoE kernel at the 26B-A4B expert shape as a multiple of the selected experts' FLOPs
+  (forward; gradient w.r.t. input and weights: 3 passes; a ragged dot counted as a grouped GEMM), the lowered
+  'cuda' program's XLA cost analysis and whether it holds a `ragged-dot` (densified by XLA:GPU into E x the
+  rows)."""
+  from hackable_diffusion.model import moe_grouped
+
+  cfg = get_preset("diffusion_gemma_26b_a4b")
+  e, i, h, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.top_k_experts
+  bf16 = jnp.bfloat16
+  args = (jax.ShapeDtypeStruct((tokens, h), bf16), jax.ShapeDtypeStruct((tokens, k), jnp.float32),
+          jax.ShapeDtypeStruct((tokens, k), jnp.int32), jax.ShapeDtypeStruct((e, 2 * i, h), bf16),
+          jax.ShapeDtypeStruct((e, h, i), bf16))
+  active = 2 * tokens * k * (2 * i * h + h * i)
+  rows = [f"| kernel, T={tokens} (x top-{k}) | matmul FLOPs / selected experts' | cuda program: XLA FLOPs, "
+          f"bytes | ragged-dot in program |", "|---|---|---|---|"]
+  kernels = {"ragged": moe.ragged_experts, "grouped (gathered tiles)": moe_grouped.gathered_experts,
+             "dense": moe.dense_experts}
+  for name, kernel in kernels.items():
+    def loss(*a, kernel=kernel):
+      return jnp.sum(kernel(*a).astype(jnp.float32) ** 2)
+
+    for mode, fn, passes in (("fwd", loss, 1), ("grad", jax.grad(loss, argnums=(0, 3, 4)), 3)):
+      ratio = dot_flops(jax.make_jaxpr(fn)(*args).jaxpr) / (passes * active)
+      lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+      cost = lowered.cost_analysis() or {}
+      ragged = lowered.as_text(dialect="hlo").count("ragged-dot(")
+      note = f"{ragged} (XLA:GPU runs each as {e} x its rows)" if ragged else "0"
+      rows.append(f"| {name} {mode} | {ratio:.2f} | {cost.get('flops', 0) / 1e9:.0f} GFLOP, "
+                  f"{cost.get('bytes accessed', 0) / 2**30:.1f} GiB | {note} |")
+  for kernel, block_m in (("tokamax Mosaic GPU (sm90/sm100 heuristic block_m 64)", 64),
+                          ("tokamax Triton (heuristic block_m 128)", 128)):
+    bound = (tokens * k + e * (block_m - 1)) / (tokens * k)  # each group's rows in whole blocks of block_m
+    rows.append(f"| {kernel} fwd | <= {bound:.2f} (kernel tiling bound) | custom call | 0 |")
+  return rows
+
+
 # -------------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--sizes", default="sudoku,100m")
   ap.add_argument("--tokens", default="81,648,2048")
   ap.add_argument("--impls", default="dense,tiled,ragged",
-                  help="comma list of dense, tiled, ragged; dense is always run (the baseline)")
-  ap.add_argument("--parts", default="layer,decode,train", help="comma list of layer, decode, train; or 'cost' alone")
+                  help="comma list of dense, tiled, ragged, grouped; dense is always run (the baseline)")
+  ap.add_argument("--parts", default="layer,decode,train",
+                  help="comma list of layer, decode, train; or 'cost' or 'flops' alone")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--smoke", action="store_true", help="micro config, 16 tokens, one round")
   args = ap.parse_args(argv)
   if args.smoke:
     args.sizes, args.tokens, args.rounds = "micro", "16", 1
   impls = ["dense"] + [i for i in args.impls.split(",") if i != "dense"]
-  if set(impls) - {"dense", "tiled", "ragged"}:
-    ap.error(f"--impls={args.impls!r}; expected a comma list of dense, tiled, ragged")
+  if set(impls) - {"dense", "tiled", "ragged", "grouped"}:
+    ap.error(f"--impls={args.impls!r}; expected a comma list of dense, tiled, ragged, grouped")
+  if args.parts == "flops":
+    for tokens in (int(t) for t in args.tokens.split(",")):
+      print("\n".join(flops_rows(tokens)), flush=True)
+    return
   if args.parts == "cost":
     for tokens in (int(t) for t in args.tokens.split(",")):
       print("\n".join(cost_rows(tokens)), flush=True)

@@ -1,6 +1,6 @@
 """GPU checks of the DiffusionGemma 26B-A4B shape with random bf16 weights: one prepared command for a lent GPU.
 
-    python scripts/gpu_check.py [--out=gpu_check.json] [--bandwidth_gbs=4800] [--moe_impl=ragged]
+    python scripts/gpu_check.py [--out=gpu_check.json] [--bandwidth_gbs=4800] [--moe_impl=grouped]
 
 Measures, on the first accelerator:
   1. decoder forwards per second (one denoising step's forward: canvas 256 over a 256-token prompt cache, with
@@ -183,7 +183,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="diffusion_gemma_26b_a4b")
-  parser.add_argument("--moe_impl", default="ragged", choices=("ragged", "tiled", "dense"))
+  parser.add_argument("--moe_impl", default="grouped", choices=("grouped", "ragged", "tiled", "dense"))
   parser.add_argument("--bandwidth_gbs", type=float, default=None, help="HBM bandwidth (default: by device kind)")
   parser.add_argument("--accum", type=int, default=4, help="micro-batches of the LoRA step (the recipe: 4)")
   parser.add_argument("--repeats", type=int, default=5)

@@ -23,7 +23,7 @@ from hackable_diffusion.model.matmul import MATMUL_DTYPES
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _DTYPES = ("float32", "bfloat16", "float16")
-_MOE_IMPLS = ("auto", "tiled", "dense", "ragged", "expert_parallel")
+_MOE_IMPLS = ("auto", "tiled", "dense", "ragged", "grouped", "expert_parallel")
 # Rematerialisation of each transformer layer in the backward pass: a `jax.checkpoint_policies` name saying which
 # intermediates of a layer are kept ('nothing_saveable': only the layer's input, everything else recomputed), or
 # 'none' (no remat: autodiff keeps every residual).
@@ -110,8 +110,10 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of parameters
   # How `Experts` computes (the same function each way; see `model/moe.py`): "tiled": expert-sorted tiles in a loop
   # (fastest on CPU); "dense": every expert on every token, the unselected weighted 0; "ragged": sorted tokens through
-  # `jax.lax.ragged_dot_general` on the stored layout (GPU/TPU); "expert_parallel": ragged inside `shard_map` over
-  # the `expert` mesh axis; "auto": tiled on CPU, else ragged, or expert_parallel under a mesh with expert > 1.
+  # `jax.lax.ragged_dot_general` (XLA:TPU runs it natively; XLA:GPU rewrites it densely); "grouped": grouped GEMMs
+  # (tokamax's ragged dot when installed, else expert tiles of 64 rows, `model/moe_grouped.py`); "expert_parallel":
+  # inside `shard_map` over the `expert` mesh axis; "auto": tiled on CPU, grouped on GPU/TPU, expert_parallel under
+  # a mesh with expert > 1.
   moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
   # "bfloat16": the projections (attention q/k/v/o, MLPs, tiled experts, the untiled head; not the router or the
@@ -336,7 +338,7 @@ def _presets() -> dict[str, ModelConfig]:
       vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
       num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=1024,
       num_experts=128, top_k_experts=8, moe_intermediate_size=704, canvas_length=256, param_dtype="bfloat16",
-      dtype="bfloat16", moe_impl="ragged",
+      dtype="bfloat16", moe_impl="auto",
   )
   return {"tiny": tiny, "sudoku": sudoku, "diffusion_gemma_26b_a4b": gemma_26b}
 

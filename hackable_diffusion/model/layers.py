@@ -16,6 +16,7 @@ from flax import nnx
 
 from hackable_diffusion.model import matmul
 from hackable_diffusion.model.config import RopeConfig
+from hackable_diffusion.sharding import vocab
 
 Array = jax.Array
 
@@ -40,6 +41,12 @@ def linear(rngs: nnx.Rngs, d_in: int, d_out: int, axes: tuple[str | None, str | 
       d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
       kernel_init=nnx.with_partitioning(nnx.initializers.normal(std), axes), rngs=rngs, **extra,
   )
+
+
+def embed_lookup(table: Array, ids: Array) -> Array:
+  """table [V, H] (logical axes `vocab`, `embed`), ids [B, ...] -> `table[ids]` [B, ..., H]. Under a mesh the
+  lookup runs on each device's vocabulary shard and never replicates the table (`sharding.vocab`)."""
+  return vocab.embed_lookup(table, ids)
 
 
 def gelu_tanh(x: Array) -> Array:

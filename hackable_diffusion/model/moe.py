@@ -7,10 +7,14 @@ saving, LoRA and PEFT never see a second layout. `ModelConfig.moe_impl` picks on
   tiled            expert-sorted tiles, one small matmul per tile in a loop (`tiled_experts`): fastest on XLA:CPU
   dense            every expert on every token, weighted 0 where not selected (`dense_experts`): the reference
   ragged           the token-expert assignments sorted by expert through `jax.lax.ragged_dot_general`, contracting
-                   the stored weights' last axis, so no transposed copy of the weights is made (`ragged_experts`)
+                   the stored weights' last axis, so no transposed copy of the weights is made (`ragged_experts`).
+                   XLA:GPU runs it as a dense product over all experts (see `model/moe_grouped.py`)
+  grouped          grouped GEMMs that XLA:GPU does not densify (`model/moe_grouped.py`): tokamax's Pallas kernels
+                   where the optional `tokamax` is installed, else plain-XLA batched tiles on GPU/CPU and
+                   `ragged` on TPU
   expert_parallel  `ragged` inside `jax.shard_map` over the `expert` mesh axis: each device runs only its own
                    experts (`expert_parallel_experts`)
-  auto             `choose_moe_impl`: CPU -> tiled; GPU/TPU -> ragged, or expert_parallel when the active mesh
+  auto             `choose_moe_impl`: CPU -> tiled; GPU/TPU -> grouped, or expert_parallel when the active mesh
                    (`sharding.active_mesh`) has an `expert` axis > 1. Logged once per distinct choice.
 """
 
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from hackable_diffusion.model import layers
+from hackable_diffusion.model import layers, moe_grouped
 from hackable_diffusion.model.moe_tiled import ExpertSplit, tiled_experts
 from hackable_diffusion.sharding.local import gather_whole, row_axes, spec_axes, weight_spec
 from hackable_diffusion.sharding.logical import active_mesh, active_rules, logical_to_mesh_spec
@@ -100,12 +104,12 @@ class Experts(nnx.Module):
 def choose_moe_impl(requested: str, backend: str, expert_axis: int, num_experts: int) -> str:
   """The kernel `requested` runs as on `backend` ('cpu', 'gpu', 'tpu') under a mesh whose `expert` axis has size
   `expert_axis` (1: no mesh), for `num_experts` experts. 'auto': CPU -> 'tiled'; else 'expert_parallel' when the
-  experts split evenly over an expert axis > 1, else 'ragged'. 'expert_parallel' without an expert axis runs as
+  experts split evenly over an expert axis > 1, else 'grouped'. 'expert_parallel' without an expert axis runs as
   'ragged'; the other names run as themselves."""
   if requested == "auto":
     if backend == "cpu":
       return "tiled"
-    return "expert_parallel" if expert_axis > 1 and num_experts % expert_axis == 0 else "ragged"
+    return "expert_parallel" if expert_axis > 1 and num_experts % expert_axis == 0 else "grouped"
   if requested == "expert_parallel" and expert_axis <= 1:
     return "ragged"
   return requested
@@ -142,12 +146,27 @@ def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Ar
     return expert_parallel_experts(x, weights, idx, gate_up, down, mesh=active_mesh())
   if impl == "ragged":
     return on_local_tokens(ragged_experts, x, weights, idx, (gate_up, down))
+  if impl == "grouped":
+    return on_local_tokens(grouped_kernel(), x, weights, idx, (gate_up, down))
   if impl == "dense":
     return dense_experts(x, weights, idx, gate_up, down)
   if impl == "tiled":
     kernel = functools.partial(tiled_experts, bf16=matmul_dtype == "bfloat16")
     return on_local_tokens(kernel, x, weights, idx, (gate_up, down), per_expert=True)
-  raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged or expert_parallel")
+  raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged, grouped or expert_parallel")
+
+
+def grouped_kernel(platform: str | None = None) -> Callable:
+  """The `grouped` kernel `(x, weights, idx, gate_up, down) -> y` for `platform` (default: the active mesh's
+  devices' platform, else the default backend): see `moe_grouped.grouped_backend`."""
+  if platform is None:
+    mesh = active_mesh()
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+  backend = moe_grouped.grouped_backend(platform)
+  if backend == "tokamax":
+    return functools.partial(moe_grouped.tokamax_experts,
+                             implementation=moe_grouped.tokamax_implementations(platform))
+  return ragged_experts if backend == "ragged" else moe_grouped.gathered_experts
 
 
 def dense_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
@@ -204,9 +223,11 @@ def _grouped_matmul_bwd(residuals, dy):
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def grouped_mlp(xs: Array, gate_up: Array, down: Array, group_sizes: Array) -> Array:
-  """Rows xs [M, H] grouped by expert (`group_sizes [E]`) through their expert's gated MLP -> [M, H]."""
-  return grouped_matmul(layers.gated_gelu(grouped_matmul(xs, gate_up, group_sizes)), down, group_sizes)
+def grouped_mlp(xs: Array, gate_up: Array, down: Array, group_sizes: Array, matmul: Callable | None = None) -> Array:
+  """Rows xs [M, H] grouped by expert (`group_sizes [E]`) through their expert's gated MLP -> [M, H].
+  `matmul`: the grouped matmul (default `grouped_matmul`; `moe_grouped.grouped_matmul_tokamax` has its contract)."""
+  matmul = matmul or grouped_matmul
+  return matmul(layers.gated_gelu(matmul(xs, gate_up, group_sizes)), down, group_sizes)
 
 
 def ragged_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
@@ -223,12 +244,14 @@ def ragged_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: A
 
 
 # ---- expert parallelism -------------------------------------------------------------------------------------------
-def local_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array) -> Array:
+def local_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
+                  matmul: Callable | None = None) -> Array:
   """The share of the mixture computed by the experts `0 .. E_l - 1` of gate_up [E_l, 2I, H] / down [E_l, H, I].
 
   x [N, H], weights/idx [N, K] (idx relative to this device's first expert; ids outside [0, E_l) belong to other
   devices and are skipped) -> float32 [N, H]. Exact: a token's K experts are distinct, so at most
   `N * min(K, E_l)` assignments are local, the static number of rows computed (nothing is ever dropped).
+  `matmul`: the grouped matmul (`grouped_mlp`).
   """
   n, top_k = idx.shape
   num_local = gate_up.shape[0]
@@ -238,7 +261,7 @@ def local_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Ar
   order = jnp.argsort(key, stable=True)[: n * min(top_k, num_local)]  # [R] the local ones first, by expert
   group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [E_l]
   token_of = order // top_k  # [R]
-  ys = grouped_mlp(x[token_of], gate_up, down, group_sizes)  # [R, H]; rows past the groups are 0
+  ys = grouped_mlp(x[token_of], gate_up, down, group_sizes, matmul)  # [R, H]; rows past the groups are 0
   w = jnp.where(local, weights.reshape(-1), 0.0)[order]  # [R]
   return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(ys.astype(jnp.float32) * w[:, None])
 
@@ -295,7 +318,9 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
   a reduce-scatter (`psum_scatter`, fp32) returns each token's sum to the device that holds it. Versus an
   all-to-all of the T_local x K assignments this moves n x T_local rows instead of ~K x T_local (DiffusionGemma:
   K = 8, so equal or less for n <= 8) and needs no capacity factor. Weights enter as `P(axis)` (any FSDP/tensor
-  split of them is all-gathered at the boundary, as FSDP does per layer).
+  split of them is all-gathered at the boundary, as FSDP does per layer). The grouped matmuls are tokamax's
+  kernels where `moe_grouped.grouped_backend` picks them, else `jax.lax.ragged_dot_general` (densified by
+  XLA:GPU: on GPU without tokamax prefer `grouped` without an expert axis).
   """
   n, num_experts = int(dict(mesh.shape)[axis]), gate_up.shape[0]
   if num_experts % n:
@@ -304,6 +329,11 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
   token_axes = spec_axes(token_spec[0] if len(token_spec) else None)
   gathered = axis in token_axes  # tokens split over `axis` too: gather them, scatter the sums back
   other_axes = tuple(a for a in token_axes if a != axis)  # tokens differ along these; weights do not
+  platform = mesh.devices.flat[0].platform
+  matmul = None  # jax.lax.ragged_dot_general, unless tokamax's kernels are there (`moe_grouped`)
+  if moe_grouped.grouped_backend(platform) == "tokamax":
+    matmul = functools.partial(moe_grouped.grouped_matmul_tokamax,
+                               implementation=moe_grouped.tokamax_implementations(platform))
 
   def per_device(x, weights, idx, gate_up, down):
     if gathered:
@@ -313,7 +343,7 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
     if other_axes:  # the weights' gradients then vary along the token axes; their transpose sums them (psum)
       gate_up, down = (jax.lax.pcast(w, other_axes, to="varying") for w in (gate_up, down))
     first = jax.lax.axis_index(axis) * gate_up.shape[0]
-    y = local_experts(x, weights, idx - first, gate_up, down)  # [N, H] float32, this device's experts only
+    y = local_experts(x, weights, idx - first, gate_up, down, matmul)  # [N, H] float32, this device's experts
     return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if gathered else jax.lax.psum(y, axis)
 
   tokens = PartitionSpec(*token_spec) if len(token_spec) else PartitionSpec(None)

@@ -158,10 +158,11 @@ class DiffusionGemma(nnx.Module):
 
   # ---- pieces ----------------------------------------------------------------------------------------------------
   def embed(self, ids: Array) -> Array:
-    """ids [B, L] -> [B, L, H]: `embed[ids] * sqrt(hidden)` with the scale cast to the weight dtype."""
+    """ids [B, L] -> [B, L, H]: `embed[ids] * sqrt(hidden)` with the scale cast to the weight dtype. On a mesh the
+    lookup runs per device on its vocabulary shard (`layers.embed_lookup`): the table is never replicated."""
     w = self.embed_tokens[...]
     scale = jnp.asarray(math.sqrt(self.config.hidden_size), w.dtype)
-    return (jnp.take(w, ids, axis=0) * scale).astype(self.dtype)
+    return (layers.embed_lookup(w, ids) * scale).astype(self.dtype)
 
   def lm_logits(self, hidden: Array) -> Array:
     """hidden [B, L, H] (final-normed) -> soft-capped fp32 logits [B, L, V] through the tied embedding."""

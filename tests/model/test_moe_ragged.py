@@ -130,12 +130,12 @@ def test_ragged_step_reads_weights_without_copy(step_programs, platform, mode):
 @pytest.mark.parametrize("requested, backend, expert_axis, want", [
     ("auto", "cpu", 1, "tiled"),
     ("auto", "cpu", 8, "tiled"),
-    ("auto", "gpu", 1, "ragged"),
-    ("auto", "tpu", 1, "ragged"),
+    ("auto", "gpu", 1, "grouped"),
+    ("auto", "tpu", 1, "grouped"),
     ("auto", "gpu", 4, "expert_parallel"),
     ("auto", "tpu", 8, "expert_parallel"),
-    ("auto", "gpu", 3, "ragged"),  # 8 experts do not split 3 ways
-    ("auto", "tpu", 5, "ragged"),  # 8 experts do not split 5 ways: the weights are replicated, ragged
+    ("auto", "gpu", 3, "grouped"),  # 8 experts do not split 3 ways
+    ("auto", "tpu", 5, "grouped"),  # 8 experts do not split 5 ways: the weights are replicated, grouped
     ("expert_parallel", "gpu", 1, "ragged"),  # no expert axis: nothing to split
     ("expert_parallel", "cpu", 2, "expert_parallel"),
     ("tiled", "gpu", 8, "tiled"),  # an explicit kernel is kept
