@@ -41,7 +41,8 @@ def check_common_cells(nb: nbformat.NotebookNode) -> None:
   backend and devices, the last asserts the key result."""
   code = [c.source for c in nb.cells if c.cell_type == "code"]
   assert 'REPO_URL = "' in code[0] and "find_spec(\"hackable_diffusion\") is None" in code[0]
-  assert "hackable-diffusiongemma @ git+" in code[0]
+  # the accelerator extra of the runtime (a GPU or TPU runtime keeps its jax), none on a CPU runtime
+  assert 'f"hackable-diffusiongemma{extra} @ git+"' in code[0] and '"[cuda12]"' in code[0] and '"[tpu]"' in code[0]
   assert "jax.default_backend()" in code[1] and "jax.devices()" in code[1]
   assert re.search(r"^assert ", code[-1], re.M), "the last cell asserts the notebook's key result"
 
