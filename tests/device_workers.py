@@ -14,6 +14,18 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def use_fake_cpu_devices(count: int = 8) -> None:
+  """Called by a worker before it imports JAX: `count` fake CPU devices, compiled at the lowest XLA optimisation
+  level (tiny shapes: compile time dominates) and without the CPU fusion emitters."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = " ".join([
+      os.environ.get("XLA_FLAGS", ""),
+      f"--xla_force_host_platform_device_count={count}",
+      "--xla_backend_optimization_level=0",
+      "--xla_cpu_use_fusion_emitters=false",
+  ])
+
+
 def run_worker(worker: str, out_dir: str) -> dict:
   """Runs `python worker OUT.json` (a path relative to the repository) on the CPU and returns its JSON; a test
   failure with the end of its output if it exits non-zero."""

@@ -11,13 +11,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: device_workers
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""),
-    "--xla_force_host_platform_device_count=8",
-    "--xla_backend_optimization_level=0",  # tiny shapes: compile time dominates (as in multi_device_worker.py)
-    "--xla_cpu_use_fusion_emitters=false",
-])
+import device_workers  # noqa: E402
+
+device_workers.use_fake_cpu_devices(8)
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
