@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -64,7 +65,8 @@ CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 def checkpoint_dtype(path: str) -> str:
   """The dtype a HF checkpoint was saved in: config.json's `dtype` (transformers 5) or `torch_dtype` (older),
-  at the top level or in `text_config`; 'float32' when it records none. One-line `CheckpointError` for another."""
+  at the top level or in `text_config`; 'float32' (transformers' own default) with a warning when it records none,
+  since a bf16 model then loads at twice its size. One-line `CheckpointError` for another."""
   path = resolve_model_path(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a directory")
@@ -79,6 +81,8 @@ def checkpoint_dtype(path: str) -> str:
       if name not in CHECKPOINT_DTYPES:
         raise CheckpointError(f"{path}/config.json: {key}={value!r}; expected one of {list(CHECKPOINT_DTYPES)}")
       return name
+  logging.warning("%s/config.json records no dtype: loading the weights in float32 (transformers' default); pass "
+                  "dtype='bfloat16' (model.dtype in a config) to keep a bf16 checkpoint in bf16", path)
   return "float32"
 
 

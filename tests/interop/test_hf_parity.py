@@ -195,6 +195,23 @@ def test_checkpoint_dtype_is_read_from_config_json(hf_factory, tmp_path):
     checkpoint_dtype(str(tmp_path))
 
 
+def test_a_config_without_a_dtype_loads_in_float32_with_a_warning(hf_factory, tmp_path, caplog):
+  from hackable_diffusion.interop.hf import checkpoint_dtype
+
+  _, path = hf_factory("sliding_full", canvas=6, layer_types=[SLIDE, FULL, FULL])
+  config = json.load(open(os.path.join(path, "config.json")))
+  bare = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+  bare["text_config"] = {k: v for k, v in config["text_config"].items() if k not in ("dtype", "torch_dtype")}
+  (tmp_path / "config.json").write_text(json.dumps(bare))
+  with caplog.at_level("WARNING"):
+    assert checkpoint_dtype(str(tmp_path)) == "float32"
+  assert "records no dtype" in caplog.text and "dtype='bfloat16'" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert checkpoint_dtype(path) == "float32"  # recorded: no warning
+  assert "records no dtype" not in caplog.text
+
+
 def test_save_pretrained_loads_in_transformers(tmp_path):
   from transformers import DiffusionGemmaForBlockDiffusion
 
