@@ -3,8 +3,9 @@
 Every case is `jax.jit(step).lower(<abstract shapes>).compile().memory_analysis()`: XLA's own buffer assignment for
 the real shapes (25.25B parameters, vocab 262,144, 128 experts top-8), with fake CPU devices for the mesh case.
 
-    python scripts/memory_report.py                  # all cases (minutes on 2 cores)
+    python scripts/memory_report.py                  # all cases, as the 26B recipe runs (30 scanned layers)
     python scripts/memory_report.py --cases=a,c      # a subset; --validate: the CPU-convert check alone
+    python scripts/memory_report.py --unrolled       # the layers unrolled: 6 + 12 compiled, extrapolated to 30
     python scripts/memory_report.py --smoke --cases=c   # the same steps on a tiny 30-layer model (CI)
 
 Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusiongemma_26b_lora.py):
@@ -80,7 +81,7 @@ LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
 
-SCAN = False  # --scan: the layers stacked and run under one scan (ModelConfig.scan_layers)
+SCAN = True  # the layers stacked and run under one scan (ModelConfig.scan_layers); --unrolled: False
 LAYERS: int | None = None  # compile this many layers (whole 5 sliding : 1 full groups) instead of all 30
 
 
@@ -326,13 +327,17 @@ def main(argv: list[str]) -> None:
                            "b16 (case b compiled in bf16),c,d,q8,q4,q8p,q4p,qn")
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
+  parser.add_argument("--unrolled", action="store_true",
+                      help="the layers unrolled instead of scanned (the recipe scans them); compiled at 6 + 12 layers "
+                           "and extrapolated to 30 unless --full")
   parser.add_argument("--full", action="store_true",
-                      help="compile all 30 layers (slow) instead of 6 + 12 extrapolated")
-  parser.add_argument("--scan", action="store_true",
-                      help="the layers stacked and scanned (ModelConfig.scan_layers), as the 26B recipe runs them")
+                      help="with --unrolled: compile all 30 layers (slow) instead of 6 + 12 extrapolated")
+  parser.add_argument("--scan", action="store_true", help="the default (kept for older command lines)")
   args = parser.parse_args(argv)
+  if args.unrolled and args.scan:
+    parser.error("--scan and --unrolled contradict each other")
   global SCAN
-  SCAN = args.scan
+  SCAN = not args.unrolled
   cases = set(args.cases.split(","))
   if cases - set(CASES):
     parser.error(f"--cases: unknown case(s) {sorted(cases - set(CASES))}; expected a subset of {','.join(CASES)}")
@@ -352,7 +357,8 @@ def main(argv: list[str]) -> None:
           ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1)), ("qn", case_q, ("nvfp4", 4, 2))]
   for name, case, case_args in runs:
     if name in cases:
-      for r in measure(case, *case_args, full=args.full):
+      # scanned, a 30-layer compile costs what a 6-layer one does: always whole
+      for r in measure(case, *case_args, full=args.full or SCAN):
         print_row(r)
 
 

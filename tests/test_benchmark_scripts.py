@@ -91,7 +91,7 @@ def _report_rows(*args: str) -> dict[str, list[float]]:
 def test_memory_report_extrapolation_matches_a_whole_compile():
   """scripts/memory_report.py on its tiny 30-layer model: the sampler case compiled at 6 + 12 layers and extrapolated
   to 30 gives the arguments (exactly linear in the layers) of the whole 30-layer compile; temporaries are positive."""
-  extrapolated, full = _report_rows("--cases=c"), _report_rows("--cases=c", "--full")
+  extrapolated, full = _report_rows("--cases=c", "--unrolled"), _report_rows("--cases=c", "--unrolled", "--full")
   assert set(extrapolated) == set(full) == {"c: sampler step, batch 8", "c: sampler step, batch 64"}
   for name, (args, temps, _, total) in full.items():
     assert args > 0 and temps > 0 and total >= args + temps - 0.2, (name, full[name])

@@ -8,7 +8,7 @@ The SFT recipe of the gemma JAX repository's `gemma/diffusion/` (docs/reference.
 gradient clipping 1.0, Adam (0.95, 0.99), weight decay 1e-4. The base loads in the dtype it was saved in (bf16);
 adapters and their Adam moments are fp32. What makes it fit one 80 GB device: per-layer rematerialisation with the
 layers scanned, the vocabulary-tiled loss and a step of 8 examples as 4 micro-batches of 2 (memory per case:
-`scripts/memory_report.py --scan`, docs/scaling.md).
+`scripts/memory_report.py`, docs/scaling.md).
 
 Other hardware (same file, override on the command line; check the memory report's mesh case first):
 - 8 GPUs on one host: `--config.mesh.fsdp=8 --config.train.batch_size=64 --config.train.grad_accum_steps=1`
