@@ -25,9 +25,12 @@ decodes a different canvas per example).
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from hackable_diffusion.errors import ConfigError
@@ -207,10 +210,17 @@ def _device_compute_capability() -> float | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def warn_cudnn_refused(q_shape: tuple[int, ...], k_shape: tuple[int, ...], reason: str) -> None:
+  """One warning per refused block shape (the cache keeps a repeated trace quiet)."""
+  logging.warning("cuDNN attention refused q %s, k %s (%s); the XLA path runs instead", q_shape, k_shape, reason)
+
+
 def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   """`attend_einsum`'s function, through `jax.nn.dot_product_attention` where the head_dim allows (fp32 softmax,
   scale 1.0, GQA by its kv-head grouping; its mask is `[B, 1 or N, L, S]`), with cuDNN flash attention where
-  `attention_implementation` says it applies. Float64 compute (the float64 parity checks,
+  `attention_implementation` says it applies; where cuDNN refuses the block when it is traced (a shape or a cuDNN
+  build it does not support), the XLA path runs instead, with one warning per block shape. Float64 compute (the float64 parity checks,
   scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax in float32."""
   if q.shape[-1] > FUSED_MAX_HEAD_DIM or jnp.dtype(dtype).itemsize > 4:
     return attend_einsum(q, k, v, mask, dtype)
@@ -219,9 +229,12 @@ def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
                                   _device_compute_capability() if platform == "gpu" else None)
   if impl != "cudnn":  # jax's XLA path: the same computation, slower than ours on CPU
     return attend_einsum(q, k, v, mask, dtype)
-  mask = mask[:, None] if mask.ndim == 3 else mask
-  out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0,
-                                     implementation=impl)
+  try:
+    out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                                       mask=mask[:, None] if mask.ndim == 3 else mask, scale=1.0, implementation=impl)
+  except (ValueError, NotImplementedError, RuntimeError) as e:  # cuDNN refused this shape or build at trace time
+    warn_cudnn_refused(q.shape, k.shape, " ".join(str(e).split())[:200])
+    return attend_einsum(q, k, v, mask, dtype)
   return out.astype(dtype)
 
 

@@ -86,3 +86,18 @@ def test_sliding_layers_hand_cudnn_even_lengths(monkeypatch):
   model.decode(jnp.full((1, cfg.canvas_length), 5, jnp.int32), cache)
   sliding = [a for a in seen if a[2] == cfg.head_dim]
   assert sliding and all(a[4] == 16 and a[3] % 2 == 0 for a in sliding), sliding
+
+
+def test_attend_falls_back_to_xla_when_cudnn_refuses(monkeypatch, caplog):
+  """A block handed to cuDNN that cuDNN refuses while it is traced (here: no GPU at all) runs the XLA path, with a
+  warning, and gives `attend_einsum`'s values."""
+  monkeypatch.setattr(attention, "attention_implementation", lambda *a: "cudnn")
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 6, 4, 8)), BF16)
+  kv = jnp.asarray(rng.standard_normal((1, 10, 2, 8)), BF16)
+  mask = jnp.ones((1, 6, 10), bool)
+  with caplog.at_level("WARNING"):
+    out = attention.attend(q, kv, kv, mask, BF16)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(attention.attend_einsum(q, kv, kv, mask, BF16), np.float32))
+  assert "cuDNN attention refused" in caplog.text
