@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -150,19 +151,41 @@ def test_gpu_check_roofline_bytes():
   assert abs(gc.forward_bytes(config, state, 10_000) - total) < 1  # every expert is read
 
 
-@pytest.mark.slow  # the three checks end to end on a tiny model on the CPU: minutes (the LoRA step's compile)
+@pytest.mark.slow  # every check end to end on a tiny model on the CPU: minutes (the LoRA step's compile)
 def test_gpu_check_runs_on_a_tiny_model_with_allow_cpu(tmp_path):
   out = tmp_path / "gpu_check.json"
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--allow_cpu",
-                         "--preset=tiny", "--repeats=1", f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=900)
+                         "--preset=tiny", "--repeats=1", "--budget_s=900", f"--out={out}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   import json
 
   rows = json.loads(out.read_text())["rows"]
-  assert [r["check"].split(",")[0] for r in rows] == ["decoder forward", "decoder forward", "hd.generate",
-                                                       "LoRA train step"]
-  assert all(r.get("forwards_per_s", r.get("tokens_per_s", r.get("seconds_per_step"))) > 0 for r in rows)
+  assert [r["check"].split(",")[0] for r in rows] == ["device ceilings", "MoE layer forward", "decoder forward",
+                                                       "decoder forward", "hd.generate", "LoRA train step"]
+  assert all(isinstance(v, float) and v > 0 for v in rows[1]["seconds"].values()), rows[1]
+  assert all(r.get("forwards_per_s", r.get("tokens_per_s", r.get("seconds_per_step", 1))) > 0 for r in rows)
+  assert rows[2]["compiled_gib"]["argument"] > 0 and rows[2]["flops"] > 0
+
+
+def test_gpu_check_is_a_bounded_session_that_writes_as_it_goes(tmp_path):
+  """`--budget_s` bounds the session: the checks that do not fit are recorded as skipped, and the JSON holds every
+  row measured before the budget ran out (the ceilings always come first)."""
+  import json
+
+  out = tmp_path / "gpu_check.json"
+  t = time.monotonic()
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--allow_cpu",
+                         "--preset=tiny", "--repeats=1", "--budget_s=8", f"--out={out}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads(out.read_text())
+  assert data["budget_s"] == 8 and data["device"] and data["bandwidth_bytes_per_s"] > 0
+  rows = data["rows"]
+  assert rows[0]["check"] == "device ceilings" and rows[0]["bf16_matmul_flops_per_s"] > 0
+  assert rows[-1]["check"] == "LoRA train step" and "skipped" in rows[-1], rows[-1]  # far past 8 s on a CPU
+  assert time.monotonic() - t < 120  # the LoRA step's compile alone takes longer than this on the tiny model
+
 
 
 _LIVE_PEAK_PROGRAM = """
