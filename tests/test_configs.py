@@ -124,7 +124,7 @@ def test_bad_ablation_task_argument_fails_before_training(tmp_path):
   raw.eval.ablations.no_pins = {"pin_givns": False}
   cfg = config_lib.ExperimentConfig.from_config_dict(raw)
   with pytest.raises(config_lib.ConfigError, match=r"eval.ablations.no_pins: task 'sudoku': bad task arguments") as e:
-    trainer_lib.SFTTrainer(cfg, str(tmp_path / "run"))
+    trainer_lib.Trainer(cfg, str(tmp_path / "run"))
   assert "\n" not in str(e.value)
   assert not os.path.exists(tmp_path / "run")  # failed before writing anything (no data, no checkpoint)
 

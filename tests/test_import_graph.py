@@ -16,7 +16,7 @@ PACKAGE_DIR = os.path.dirname(hackable_diffusion.__file__)
 # Bottom to top. A module may import from its own layer or below. Keys are the first component below the package
 # (a subpackage or a top-level module); `hackable_diffusion/__init__.py` (lazy names only) is not in a layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "files", "specs", "hub", "configs", "hugepages"),
+    ("errors", "files", "specs", "targets", "hub", "configs", "hugepages"),
     ("sharding",),
     ("model",),
     ("data",),

@@ -44,6 +44,7 @@ from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
 from hackable_diffusion.model import scan
+from hackable_diffusion.targets import entry_matches, is_module_name
 
 Array = jax.Array
 ALL_LINEAR = "all-linear"
@@ -58,10 +59,18 @@ class LoraConfig:
   """Which modules get adapters and how large they are.
 
   rank: r >= 1. alpha: scale numerator (scale = alpha / rank). dropout: on the adapter input, in [0, 1).
-  target_modules: regexes searched (`re.search`) in dotted module paths such as `layers.3.self_attn.q_proj`,
+  r / lora_alpha / lora_dropout: PEFT's names of rank / alpha / dropout (init-only aliases; giving both names with
+    different values is a ConfigError).
+  target_modules: which adaptable paths get adapters. Paths are dotted, e.g. `layers.3.self_attn.q_proj`,
     `layers.3.mlp.down_proj`, `layers.3.router.proj`, `layers.3.experts.gate_up_proj` (3-D expert Params) or
-    `self_conditioning.mlp.gate_proj`; or the keyword `"all-linear"` (every linear layer except the router,
-    including the self-conditioning MLP; experts excluded). Every regex must match something.
+    `self_conditioning.mlp.gate_proj`. Each entry of a list/tuple is one of:
+    - `"all-linear"`: every linear layer except the router, including the self-conditioning MLP; experts excluded;
+    - a module name (letters, digits, `_` and `.` only), as PEFT matches a list: a path is selected when it, or
+      the path of a module containing it, equals the name or ends with "." + name (`["q_proj", "v_proj"]`;
+      `"experts"` selects the expert Params, `"self_attn"` every attention projection);
+    - any other string: a regex searched (`re.search`) in the path.
+    A single string other than "all-linear" is a regex that must match the whole path, as PEFT's `str` form
+    (stored as the anchored regex `^(?:...)$`). Every entry must select something.
   param_dtype: dtype of the adapter parameters (float32 keeps small updates of a bf16 model exact).
   base_quantization: 'none' (the base as it is), 'fp8', 'int4' or 'nvfp4' (QLoRA: the frozen base quantized on the
     device, dequantized inside each layer's forward; see `lora.qarrays`). base_block_size: input elements per int4
@@ -75,12 +84,27 @@ class LoraConfig:
   param_dtype: str = "float32"
   base_quantization: str = qlora.NONE
   base_block_size: int = 64
+  r: dataclasses.InitVar[int | None] = None
+  lora_alpha: dataclasses.InitVar[float | None] = None
+  lora_dropout: dataclasses.InitVar[float | None] = None
 
-  def __post_init__(self):
+  def __post_init__(self, r: int | None, lora_alpha: float | None, lora_dropout: float | None):
+    for alias, name, value in (("r", "rank", r), ("lora_alpha", "alpha", lora_alpha),
+                               ("lora_dropout", "dropout", lora_dropout)):
+      if value is None:
+        continue
+      given, default = getattr(self, name), _FIELD_DEFAULTS[name]
+      if given != default and given != value:
+        raise ConfigError(f"LoraConfig.{alias}={value!r} and {name}={given!r} disagree: give one of the two names")
+      object.__setattr__(self, name, value)
     if isinstance(self.target_modules, str):
-      object.__setattr__(self, "target_modules", (self.target_modules,))
-    else:
+      one = self.target_modules
+      object.__setattr__(self, "target_modules", (one if one == ALL_LINEAR or not one else f"^(?:{one})$",))
+    elif isinstance(self.target_modules, (list, tuple, set, frozenset)):
       object.__setattr__(self, "target_modules", tuple(self.target_modules))
+    else:
+      raise ConfigError(f"LoraConfig.target_modules={self.target_modules!r} is invalid: expected a list of module "
+                        "names / regexes, one regex string, or 'all-linear'")
     if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
       raise ConfigError(f"LoraConfig.rank={self.rank!r} is invalid: must be an integer >= 1 (rank 0 adds no adapter)")
     if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not (
@@ -89,7 +113,8 @@ class LoraConfig:
     if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
       raise ConfigError(f"LoraConfig.dropout={self.dropout!r} is invalid: must be in [0, 1)")
     if not self.target_modules:
-      raise ConfigError("LoraConfig.target_modules is empty: give regexes over module paths or 'all-linear'")
+      raise ConfigError("LoraConfig.target_modules is empty: give module names, regexes over module paths or "
+                        "'all-linear'")
     for pattern in self.target_modules:
       if not isinstance(pattern, str) or not pattern:
         raise ConfigError(f"LoraConfig.target_modules entry {pattern!r} is invalid: expected a non-empty regex")
@@ -118,6 +143,7 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LoraConfig)}
 # ---- adapter modules --------------------------------------------------------------------------------------------
 def _axes(var: nnx.Variable) -> tuple[Any, ...] | None:
   return var.get_metadata().get("out_sharding")
@@ -291,18 +317,18 @@ def _is_all_linear(name: str, param: str | None) -> bool:
 
 
 def resolve_targets(model: nnx.Module, config: LoraConfig) -> list[str]:
-  """The adaptable paths `config.target_modules` selects (ValueError for a regex that matches nothing)."""
+  """The adaptable paths `config.target_modules` selects (ConfigError for an entry that selects nothing)."""
   candidates = targetable(model)
   chosen: set[str] = set()
   for pattern in config.target_modules:
     if pattern == ALL_LINEAR:
       hits = {n for n, (_, p) in candidates.items() if _is_all_linear(n, p)}
     else:
-      rx = re.compile(pattern)
-      hits = {n for n in candidates if rx.search(n)}
+      hits = {n for n in candidates if entry_matches(pattern, n)}
     if not hits:
       examples = _examples(candidates)
-      raise ConfigError(f"LoraConfig.target_modules regex {pattern!r} matches no module; valid paths look like "
+      what = "module name" if is_module_name(pattern) else "regex"
+      raise ConfigError(f"LoraConfig.target_modules {what} {pattern!r} matches no module; valid paths look like "
                         f"{', '.join(examples)} ({len(candidates)} in all)")
     chosen |= hits
   return [n for n in candidates if n in chosen]
@@ -391,6 +417,6 @@ def _init_factors(key: Array, specs: tuple[tuple[tuple[int, ...], tuple[int, ...
 
 
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
-           "LoraConfig", "QLoRAExperts", "QLoRALinear", "apply_lora", "has_lora", "lora_modules", "path_str",
-           "resolve_targets",
+           "LoraConfig", "QLoRAExperts", "QLoRALinear", "apply_lora", "has_lora",
+           "lora_modules", "path_str", "resolve_targets",
            "set_dropout_key", "targetable"]

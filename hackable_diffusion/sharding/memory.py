@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.sharding.logical import (LOGICAL_AXIS_RULES, MESH_AXES, MeshLike, Rules, leaves_with_axes,
                                                  logical_to_mesh_spec, mesh_axis_sizes, variable_axes)
+from hackable_diffusion.targets import entry_matches
 
 # a function building the model (traced with `nnx.eval_shape`, never run), a module, or its `nnx.State`
 ModelLike = Callable[[], nnx.Module] | nnx.Module | nnx.State
@@ -92,7 +92,7 @@ def memory_estimate(model: ModelLike, mesh: MeshLike, *, lora_rank: int | None =
   Full fine-tuning (`lora_rank=None`): every `nnx.Param` is trainable; gradients in `grad_dtype` (default: each
   parameter's dtype) and two Adam moments in `moment_dtype` share the parameters' sharding.
   LoRA: the base model is frozen; every `[d_in, d_out]` kernel whose dotted module path (`layers.0.self_attn.
-  q_proj`) a regex of `lora_targets` searches (as `LoraConfig.target_modules`; pass `lora.DEFAULT_TARGETS`) gets
+  q_proj`) an entry of `lora_targets` selects (as `LoraConfig.target_modules`, `targets.entry_matches`) gets
   `A [d_in, r]` and `B [r, d_out]` in `adapter_dtype`, sharded like the kernel's input / output axis (as
   `lora.adapters` annotates them); gradients (default: `adapter_dtype`) and moments are those of the adapters.
   """
@@ -113,12 +113,11 @@ def memory_estimate(model: ModelLike, mesh: MeshLike, *, lora_rank: int | None =
   else:
     if not lora_targets:
       raise ConfigError(f"memory_estimate: lora_rank={lora_rank} needs lora_targets (e.g. lora.DEFAULT_TARGETS)")
-    patterns = [re.compile(t) for t in lora_targets]
     matched: set[str] = set()
     num_trainable = per_dev = 0
     for names, var in trainable:
       module = ".".join(names[:-1])
-      hits = {p.pattern for p in patterns if p.search(module)}
+      hits = {t for t in lora_targets if entry_matches(t, module)}
       if names[-1] != "kernel" or len(var.shape) != 2 or not hits:
         continue
       matched |= hits
@@ -130,7 +129,7 @@ def memory_estimate(model: ModelLike, mesh: MeshLike, *, lora_rank: int | None =
       per_dev += _shard_elements((lora_rank, d_out), (None, axes[1]), sizes, rules)
     unmatched = [t for t in lora_targets if t not in matched]
     if unmatched:
-      raise ConfigError(f"memory_estimate: lora_targets regex {unmatched[0]!r} matches no 2-D kernel of the model")
+      raise ConfigError(f"memory_estimate: lora_targets entry {unmatched[0]!r} matches no 2-D kernel of the model")
     grads = per_dev * jnp.dtype(grad_dtype or adapter_dtype).itemsize
     adapters = per_dev * jnp.dtype(adapter_dtype).itemsize
   return MemoryEstimate(mesh=dict(sizes), params=params, adapters=adapters, grads=grads,

@@ -1,1 +1,1 @@
-"""Training: optimizer, pure train/eval steps, logging, and the SFTTrainer (the run itself: `runs`)."""
+"""Training: optimizer, pure train/eval steps, logging, and the Trainer (the run itself: `runs`)."""

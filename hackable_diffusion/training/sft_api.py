@@ -3,13 +3,16 @@
     import hackable_diffusion as hd
 
     trainer = hd.SFTTrainer(model="path/or/hub-id", train_dataset="train.jsonl",
-                            args=hd.SFTConfig(max_steps=200, learning_rate=1e-4, lora=hd.LoraConfig(rank=8),
-                                              output_dir="runs/my_sft"))
-    trainer.train(); trainer.evaluate()
-    trainer.save_adapter("out/adapter"); trainer.export("out/merged")
+                            args=hd.SFTConfig(max_steps=200, learning_rate=1e-4, output_dir="runs/my_sft"),
+                            peft_config=hd.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    out = trainer.train(); trainer.evaluate()     # out.global_step, out.training_loss; trainer.state.log_history
+    trainer.save_model()                          # the adapter (LoRA) or the merged model, in output_dir/final
+    trainer.export("out/merged")
 
+TRL's names and conventions are accepted (see `SFTTrainer` and `SFTConfig`); settings can also be keywords:
+`hd.SFTTrainer(model=..., dataset_path="train.jsonl", batch_size=8, learning_rate=1e-4, num_steps=1000).train()`.
 The arguments become the experiment config of `runs/config.py` (`SFTConfig.experiment_sections` plus the
-model, data and task below), written as `output_dir/config.json` like a CLI run's, and `training.trainer.SFTTrainer`
+model, data and task below), written as `output_dir/config.json` like a CLI run's, and `training.trainer.Trainer`
 runs it: same checkpoints, resume, evaluation and errors. `SFTTrainer.from_config(file_or_dict, output_dir)` takes a
 config file (`sudoku.py`, a path, or a ConfigDict) instead - the CLI's input.
 
@@ -30,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -41,12 +45,14 @@ from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
 from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.interop.hf import save_pretrained
+from hackable_diffusion.lora.adapters import LoraConfig
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.model.transformer import DiffusionGemma
 from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.runs import run as run_lib
+from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR
 from hackable_diffusion.training import trainer as trainer_lib
-from hackable_diffusion.training.sft_config import SFTConfig
+from hackable_diffusion.training.sft_config import SFTConfig, unknown_setting_error
 
 BASE_MODEL_DIR = "base_model"
 _NON_HF_FIELDS = ("attention_structure", "moe_impl", "remat", "scan_layers", "matmul_dtype")  # not in config.json
@@ -167,41 +173,246 @@ def _add_bos(args: SFTConfig, tokenizer_path: str, checkpoint: bool) -> bool:
     raise ConfigError(f"tokenizer {tokenizer_path}: {e}; pass SFTConfig(tokenizer=PATH)") from None
 
 
+def _canvas_length(model: Any, args: SFTConfig) -> int:
+  """The model's completion canvas length (for `SFTConfig.max_length`)."""
+  if "canvas_length" in args.model_overrides:
+    return int(args.model_overrides["canvas_length"])
+  if isinstance(model, ModelConfig):
+    return model.canvas_length
+  if isinstance(model, DiffusionGemma):
+    return model.config.canvas_length
+  local = resolve_model_path(os.fspath(model))
+  if run_lib.is_run_workdir(local):
+    raise ConfigError(f"SFTConfig.max_length={args.max_length}: with a run's workdir as the model give "
+                      "max_prompt_length instead (the canvas length is the run's)")
+  return ModelConfig.from_pretrained(local).canvas_length
+
+
+def _count_records(path: str) -> int:
+  with open(path, encoding="utf-8") as f:
+    return sum(1 for line in f if line.strip())
+
+
+def resolve_args(model: Any, train_path: str, args: SFTConfig) -> SFTConfig:
+  """`args` with the settings that depend on the model or the data resolved: max_steps from num_train_epochs
+  (the records of `train_path`) and max_prompt_length from max_length (the model's canvas length)."""
+  if args.max_steps is None:
+    args = args.with_num_records(_count_records(train_path))
+  if args.max_length is not None:
+    args = args.with_canvas_length(_canvas_length(model, args))
+  return args
+
+
 def experiment_config(model: Any, train_dataset: Any, args: SFTConfig, *, eval_dataset: Any = None,
                       task: str | None = None, task_args: Mapping[str, Any] | None = None) -> config_lib.ExperimentConfig:
   """The experiment config the arguments of `SFTTrainer` mean (validated; writes only data/base-model files)."""
+  return _experiment_config(model, train_dataset, args, eval_dataset=eval_dataset, task=task, task_args=task_args)[0]
+
+
+def _experiment_config(model: Any, train_dataset: Any, args: SFTConfig, *, eval_dataset: Any, task: str | None,
+                       task_args: Mapping[str, Any] | None) -> tuple[config_lib.ExperimentConfig, SFTConfig]:
+  """(the experiment config, `args` resolved by `resolve_args`)."""
   output_dir = os.path.abspath(args.output_dir)
+  train_path = dataset_path(train_dataset, args, output_dir, "train")
+  args = resolve_args(model, train_path, args)
   model_section, found_tokenizer = _model_section(model, args, output_dir)
   tokenizer_path = args.tokenizer or found_tokenizer
   sections = args.experiment_sections()
   sections["model"] = model_section
   sections["tokenizer"]["path"] = tokenizer_path or "train"
-  sections["data"].update(train_path=dataset_path(train_dataset, args, output_dir, "train"),
+  sections["data"].update(train_path=train_path,
                           validation_path="" if eval_dataset is None else dataset_path(eval_dataset, args, output_dir,
                                                                                        "validation"),
                           add_bos=_add_bos(args, tokenizer_path, bool(model_section["checkpoint"])))
   sections["eval"].update(task=task or "text", task_args=dict(task_args or {}))
-  return config_lib.ExperimentConfig.from_config_dict(sections)
+  return config_lib.ExperimentConfig.from_config_dict(sections), args
+
+
+# ---- TRL-style pieces: processing_class, peft_config, callbacks, state, train() output ------------------------
+_TRL_UNSUPPORTED = {
+    "data_collator": "batches are built by the data pipeline (left-padded prompt + completion canvases)",
+    "formatting_func": "use SFTConfig.chat_template, or write the formatted prompt/completion records",
+    "compute_metrics": "evaluation uses the task's metrics (task=, task_args=)",
+    "optimizers": "the optimizer is AdamW with the SFTConfig schedule",
+    "preprocess_logits_for_metrics": "evaluation samples with the diffusion sampler, it has no logits hook",
+    "compute_loss_func": "the loss is SFTConfig.loss (a LossConfig)",
+    "model_init": "pass the model itself",
+}
+TOKENIZER_FILES = (TOKENIZER_FILENAME, "tokenizer.json")
+PROCESSING_CLASS_DIR = "processing_class"  # where a Tokenizer object given as processing_class is saved
+FINAL_DIR = "final"  # save_model()'s default folder inside output_dir
+
+
+def _tokenizer_path(processing_class: Any, output_dir: str) -> str:
+  """What `processing_class` means as SFTConfig.tokenizer: a path, our Tokenizer (saved under output_dir) or a
+  transformers tokenizer loaded from a local directory (its `name_or_path`)."""
+  if isinstance(processing_class, (str, os.PathLike)):
+    return os.fspath(processing_class)
+  if isinstance(processing_class, Tokenizer):
+    return processing_class.save(os.path.join(output_dir, PROCESSING_CLASS_DIR))
+  name = getattr(processing_class, "name_or_path", None)
+  if isinstance(name, str) and os.path.isdir(name) and any(
+      os.path.isfile(os.path.join(name, f)) for f in TOKENIZER_FILES):
+    return os.path.abspath(name)
+  raise ConfigError(f"processing_class={type(processing_class).__name__}: expected a tokenizer path, a "
+                    "hd Tokenizer, or a transformers tokenizer loaded from a local directory with tokenizer files "
+                    f"(its name_or_path is {name!r})")
+
+
+def _lora_config(peft_config: Any) -> LoraConfig:
+  """`peft_config` as our LoraConfig: ours as it is, a `peft.LoraConfig` by its r / lora_alpha / lora_dropout /
+  target_modules (duck-typed: peft is not imported here)."""
+  if isinstance(peft_config, LoraConfig):
+    return peft_config
+  if all(hasattr(peft_config, k) for k in ("r", "lora_alpha", "lora_dropout", "target_modules")):
+    targets = peft_config.target_modules
+    if targets is None:
+      raise ConfigError("peft_config.target_modules=None: name the modules (e.g. ['q_proj', 'v_proj']) or "
+                        "'all-linear'")
+    if getattr(peft_config, "use_rslora", False) or getattr(peft_config, "use_dora", False):
+      raise ConfigError("peft_config: use_rslora / use_dora are not supported (plain LoRA, scale = alpha / r)")
+    return LoraConfig(r=peft_config.r, lora_alpha=peft_config.lora_alpha, lora_dropout=peft_config.lora_dropout,
+                      target_modules=targets if isinstance(targets, str) else sorted(targets))
+  raise ConfigError(f"peft_config={type(peft_config).__name__}: expected a hd.LoraConfig (or a peft.LoraConfig)")
+
+
+@dataclasses.dataclass
+class TrainerControl:
+  """transformers' `TrainerControl` flags a callback may set; `should_training_stop` stops `train()` after the
+  current step (a checkpoint of it is saved); the other flags are accepted and not acted on."""
+
+  should_training_stop: bool = False
+  should_epoch_stop: bool = False
+  should_save: bool = False
+  should_evaluate: bool = False
+  should_log: bool = False
+
+
+@dataclasses.dataclass
+class TrainerState:
+  """transformers' `TrainerState` fields callbacks read: global_step, max_steps, epoch (records seen / records),
+  log_history (a dict per log: `step` and the logged metrics, `learning_rate` = `lr`; evaluation entries hold
+  `eval/<run>/<metric>`), is_world_process_zero. log_history holds this object's `train()` / `evaluate()` calls
+  (a resumed run's earlier logs are in output_dir/metrics.jsonl)."""
+
+  global_step: int = 0
+  max_steps: int = 0
+  epoch: float = 0.0
+  num_train_records: int = 0
+  train_batch_size: int = 0
+  log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  is_world_process_zero: bool = True
+  is_local_process_zero: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOutput:
+  """What `train()` returns (transformers' `TrainOutput` fields): global_step, training_loss (the mean of the
+  losses logged by this call) and metrics (the last logged metrics, `train_loss` and `train_runtime`).
+  `output['loss']` reads `output.metrics['loss']`."""
+
+  global_step: int
+  training_loss: float
+  metrics: dict[str, float]
+
+  def __getitem__(self, key: str) -> float:
+    return self.metrics[key]
+
+  def keys(self):
+    return self.metrics.keys()
+
+
+class _WandbCallback:
+  """`report_to='wandb'`: the logged and evaluation metrics to Weights & Biases (a run started at the first log)."""
+
+  def __init__(self, output_dir: str):
+    self._output_dir = output_dir
+    self._run = None
+
+  def _log(self, values: Mapping[str, Any], step: int) -> None:
+    import wandb  # optional dependency; SFTConfig checked that it is installed
+
+    if self._run is None:
+      self._run = wandb.run or wandb.init(dir=self._output_dir, name=os.path.basename(self._output_dir))
+    self._run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+  def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ARG002 - the callback signature
+    self._log(logs or {}, state.global_step)
+
+  def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: ARG002
+    self._log(metrics or {}, state.global_step)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
 class SFTTrainer:
-  """Supervised fine-tuning from Python (see the module docstring); the engine is `training.trainer.SFTTrainer`."""
+  """Supervised fine-tuning from Python (see the module docstring); the engine is `training.trainer.Trainer`.
 
-  def __init__(self, model: Any, train_dataset: Any, *, args: SFTConfig | None = None, eval_dataset: Any = None,
-               task: str | None = None, task_args: Mapping[str, Any] | None = None, progress: bool | None = None):
+  TRL's form: `SFTTrainer(model, args=SFTConfig(...), train_dataset=..., eval_dataset=..., peft_config=LoraConfig,
+  processing_class=tokenizer, callbacks=[...])`. Settings may also be given as keywords (`batch_size=8,
+  learning_rate=1e-4`: SFTConfig fields, on top of `args`), with `dataset_path` = train_dataset and `num_steps` =
+  max_steps. peft_config: a hd.LoraConfig or a peft.LoraConfig (= SFTConfig.lora). processing_class: a tokenizer
+  path, a hd Tokenizer, or a transformers tokenizer loaded from a local directory (= SFTConfig.tokenizer).
+  callbacks: objects with any of transformers' `on_train_begin / on_log / on_step_end / on_evaluate /
+  on_train_end(args, state, control, **kwargs)` methods (a `transformers.TrainerCallback` works; duck-typed).
+  """
+
+  def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+               peft_config: Any = None, processing_class: Any = None, callbacks: Iterable[Any] | None = None, *,
+               task: str | None = None, task_args: Mapping[str, Any] | None = None, progress: bool | None = None,
+               dataset_path: Any = None, num_steps: int | None = None, **settings: Any):
     if args is not None and not isinstance(args, SFTConfig):
-      raise ConfigError(f"args={type(args).__name__}: expected a hd.SFTConfig")
-    self.args = args or SFTConfig()
-    self.config = experiment_config(model, train_dataset, self.args, eval_dataset=eval_dataset, task=task,
-                                    task_args=task_args)
-    self.output_dir = os.path.abspath(self.args.output_dir)
+      if train_dataset is None and isinstance(args, (str, os.PathLike, list, tuple)):
+        args, train_dataset = None, args  # the earlier positional form SFTTrainer(model, train_dataset)
+      else:
+        raise ConfigError(f"args={type(args).__name__}: expected a hd.SFTConfig")
+    for key in settings:
+      if key in _TRL_UNSUPPORTED:
+        raise ConfigError(f"SFTTrainer: {key} is not supported: {_TRL_UNSUPPORTED[key]}")
+      if key not in {f.name for f in dataclasses.fields(SFTConfig)}:
+        raise ConfigError(unknown_setting_error("SFTTrainer", key, [f.name for f in dataclasses.fields(SFTConfig)]))
+    if dataset_path is not None:
+      if train_dataset is not None:
+        raise ConfigError("SFTTrainer: give train_dataset or dataset_path, not both")
+      train_dataset = dataset_path
+    if num_steps is not None:
+      if "max_steps" in settings:
+        raise ConfigError("SFTTrainer: give max_steps or num_steps, not both")
+      settings["max_steps"] = num_steps
+    if train_dataset is None:
+      raise ConfigError("SFTTrainer: train_dataset is required (a JSONL path or records)")
+    args = args or SFTConfig()
+    if settings:
+      args = args.replace(**settings)
+    output_dir = os.path.abspath(args.output_dir)
+    if peft_config is not None:
+      if args.lora is not None:
+        raise ConfigError("SFTTrainer: give peft_config or SFTConfig.lora, not both")
+      args = args.replace(lora=_lora_config(peft_config))
+    if processing_class is not None:
+      path = _tokenizer_path(processing_class, output_dir)
+      if args.tokenizer and os.path.abspath(args.tokenizer) != os.path.abspath(path):
+        raise ConfigError(f"SFTTrainer: processing_class ({path}) and SFTConfig.tokenizer ({args.tokenizer}) "
+                          "disagree; give one")
+      args = args.replace(tokenizer=path)
+    self.config, self.args = _experiment_config(model, train_dataset, args, eval_dataset=eval_dataset, task=task,
+                                                task_args=task_args)
+    self._init_common(output_dir, progress, callbacks)
+    self.state.num_train_records = _count_records(self.config.data.train_path)
+    if self.args.wandb:
+      self.callbacks.append(_WandbCallback(self.output_dir))
+
+  def _init_common(self, output_dir: str, progress: bool | None, callbacks: Iterable[Any] | None) -> None:
+    self.output_dir = output_dir
     self._progress = progress
-    self._engine: trainer_lib.SFTTrainer | None = None
+    self._engine: trainer_lib.Trainer | None = None
+    self.callbacks = list(callbacks or [])
+    self.state = TrainerState(max_steps=self.config.train.steps, train_batch_size=self.config.train.batch_size)
+    self.control = TrainerControl()
 
   @classmethod
   def from_config(cls, config: str | ml_collections.ConfigDict | Mapping[str, Any], output_dir: str, *,
-                  overrides: Mapping[str, Any] | None = None, progress: bool | None = None) -> SFTTrainer:
+                  overrides: Mapping[str, Any] | None = None, progress: bool | None = None,
+                  callbacks: Iterable[Any] | None = None) -> SFTTrainer:
     """The trainer of a config file (a path or a shipped name such as 'sudoku.py', `{'a.b': value}` overrides)
     or of a ConfigDict: what `python -m hackable_diffusion.train --config=...` runs."""
     if isinstance(config, str):
@@ -211,17 +422,18 @@ class SFTTrainer:
     self = cls.__new__(cls)
     self.args = None
     self.config = run_lib.as_experiment_config(config)
-    self.output_dir = os.path.abspath(output_dir)
-    self._progress = progress
-    self._engine = None
+    self._init_common(os.path.abspath(output_dir), progress, callbacks)
     return self
 
   # ---- the engine ---------------------------------------------------------------------------------------------
   @property
-  def trainer(self) -> trainer_lib.SFTTrainer:
+  def trainer(self) -> trainer_lib.Trainer:
     """The engine (created and locking `output_dir` at first use)."""
     if self._engine is None:
-      self._engine = trainer_lib.SFTTrainer(self.config, self.output_dir, progress=self._progress)
+      self._engine = trainer_lib.Trainer(self.config, self.output_dir, progress=self._progress)
+      self._engine.on_event = self._on_event
+      self._engine.tensorboard = self.args is None or self.args.tensorboard
+      self.state.global_step = self._engine.step
     return self._engine
 
   @property
@@ -233,16 +445,78 @@ class SFTTrainer:
   def tokenizer(self) -> Tokenizer:
     return self.trainer.tokenizer
 
-  def train(self) -> dict[str, float]:
-    """Trains to `max_steps` (resuming from `output_dir`'s latest checkpoint); returns the last logged metrics."""
-    return self.trainer.train()
+  processing_class = tokenizer
+
+  # ---- callbacks ----------------------------------------------------------------------------------------------
+  def add_callback(self, callback: Any) -> None:
+    self.callbacks.append(callback)
+
+  def _call(self, event: str, **kwargs: Any) -> None:
+    for callback in self.callbacks:
+      method = getattr(callback, event, None)
+      if method is not None:
+        result = method(self.args, self.state, self.control, **kwargs)
+        if isinstance(result, TrainerControl) or type(result).__name__ == "TrainerControl":
+          self.control = result
+
+  def _on_event(self, name: str, step: int, values: Mapping[str, Any]) -> bool:
+    """The engine's events as callback calls and log_history entries; True: a callback asked to stop."""
+    self.state.global_step = step
+    if self.state.num_train_records:
+      self.state.epoch = step * self.state.train_batch_size / self.state.num_train_records
+    if name == "log":
+      logs = dict(values)
+      if "lr" in logs:
+        logs["learning_rate"] = logs["lr"]
+      self.state.log_history.append({"step": step, **logs})
+      self._call("on_log", logs=logs)
+    elif name == "evaluate":
+      self.state.log_history.append({"step": step, **values})
+      self._call("on_evaluate", metrics=dict(values))
+    elif name == "step_end":
+      self._call("on_step_end")
+    return bool(self.control.should_training_stop)
+
+  # ---- training and evaluation --------------------------------------------------------------------------------
+  def train(self) -> TrainOutput:
+    """Trains to `max_steps` (resuming from `output_dir`'s latest checkpoint); returns a `TrainOutput`."""
+    engine = self.trainer
+    first = len(self.state.log_history)
+    self.control = TrainerControl()
+    self._call("on_train_begin")
+    start = time.perf_counter()
+    last = engine.train()
+    runtime = time.perf_counter() - start
+    self.state.global_step = engine.step
+    losses = [e["loss"] for e in self.state.log_history[first:] if "loss" in e]
+    loss = float(sum(losses) / len(losses)) if losses else float("nan")
+    self._call("on_train_end")
+    return TrainOutput(global_step=engine.step, training_loss=loss,
+                       metrics={**last, "train_loss": loss, "train_runtime": runtime})
 
   def evaluate(self) -> dict[str, Any]:
     """Evaluates the current model on `eval_dataset` (else the training data); returns the report (also written
-    to `output_dir/eval/report_step_N.json`)."""
-    return self.trainer.evaluate()
+    to `output_dir/eval/report_step_N.json`); its metrics (`eval/<run>/<metric>`) go to log_history and
+    `on_evaluate`."""
+    report = self.trainer.evaluate()
+    values: dict[str, Any] = {}
+    for run in report["runs"]:
+      values.update({f"eval/{run['name']}/{k}": v for k, v in run["metrics"].items() if isinstance(v, float)})
+      values[f"eval/{run['name']}/mean_denoising_steps"] = run["mean_denoising_steps"]
+    self._on_event("evaluate", self.trainer.step, values)
+    return report
 
   # ---- export -------------------------------------------------------------------------------------------------
+  def save_model(self, output_dir: str | None = None) -> str:
+    """What PEFT/TRL users expect: the adapter (a PEFT adapter directory) for a LoRA run, the merged model (a
+    HF checkpoint in bfloat16) otherwise; into `output_dir` (default: `<args.output_dir>/final`), replacing the
+    files an earlier save wrote. Returns the directory."""
+    out = os.path.abspath(output_dir or os.path.join(self.output_dir, FINAL_DIR))
+    inside = os.path.realpath(out).startswith(os.path.realpath(self.output_dir) + os.sep)
+    fmt = "peft" if self.config.lora is not None else "merged"
+    self._export(out, fmt, overwrite=True, protect_workdir=not inside)
+    return out
+
   def save_adapter(self, out_dir: str, *, overwrite: bool = False) -> dict[str, Any]:
     """The LoRA adapters as a PEFT adapter directory (against the base checkpoint)."""
     return self.export(out_dir, format="peft", overwrite=overwrite)
@@ -252,9 +526,17 @@ class SFTTrainer:
     """Writes the current model as 'merged' (a full HF checkpoint, adapters folded in, `dtype`; `quantize='fp8'`:
     the linear layers in compressed-tensors FP8 for vLLM) or 'peft' (adapters only, against `base_model`, default
     the checkpoint trained from); as the `export` CLI does."""
+    return self._export(out_dir, format, dtype=dtype, base_model=base_model, overwrite=overwrite, quantize=quantize)
+
+  def _export(self, out_dir: str, format: str, *, dtype: str = "bfloat16", base_model: str | None = None,  # noqa: A002
+              overwrite: bool = False, quantize: str | None = None, protect_workdir: bool = True) -> dict[str, Any]:
     engine = self.trainer
     cfg = engine.config
-    protect = [self.output_dir] + [cfg.model.checkpoint] * bool(cfg.model.checkpoint)
+    # what the export reads: the run (its checkpoints, data and base model; the whole workdir unless the target is
+    # save_model's folder inside it) and the checkpoint trained from
+    run_parts = [self.output_dir] if protect_workdir else [
+        os.path.join(self.output_dir, d) for d in (CHECKPOINT_DIR, run_lib.DATA_DIR, BASE_MODEL_DIR, run_lib.EVAL_DIR)]
+    protect = run_parts + [cfg.model.checkpoint] * bool(cfg.model.checkpoint)
     export_lib.check_out_dir(out_dir, overwrite=overwrite, protect=[p for p in protect if os.path.isdir(p)])
     tokenizer = os.path.join(self.output_dir, TOKENIZER_FILENAME)
     return export_lib.export_model(
@@ -277,4 +559,5 @@ class SFTTrainer:
     self.close()
 
 
-__all__ = ["BASE_MODEL_DIR", "SFTTrainer", "dataset_path", "experiment_config"]
+__all__ = ["BASE_MODEL_DIR", "FINAL_DIR", "SFTTrainer", "TrainOutput", "TrainerControl", "TrainerState",
+           "dataset_path", "experiment_config", "resolve_args"]

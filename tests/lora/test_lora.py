@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 
 from hackable_diffusion import lora
+from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.data.sft import SFTBatch
 from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.model import matmul
@@ -75,6 +77,46 @@ def test_rank_zero_message_is_clear():
 def test_scale_is_alpha_over_rank_and_string_target_becomes_tuple():
   cfg = lora.LoraConfig(rank=4, alpha=16, target_modules="all-linear")
   assert cfg.scale == 4.0 and cfg.target_modules == ("all-linear",)
+
+
+def test_peft_names_are_aliases():
+  cfg = lora.LoraConfig(r=4, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+  assert cfg == lora.LoraConfig(rank=4, alpha=16, dropout=0.05, target_modules=("q_proj", "v_proj"))
+  assert lora.LoraConfig(rank=4, r=4).rank == 4  # both names, same value
+  for kwargs, needle in ((dict(rank=4, r=8), "LoraConfig.r=8 and rank=4 disagree"),
+                         (dict(alpha=8, lora_alpha=4), "LoraConfig.lora_alpha=4 and alpha=8 disagree"),
+                         (dict(dropout=0.1, lora_dropout=0.2), "LoraConfig.lora_dropout=0.2 and dropout=0.1"),
+                         (dict(r=0), "LoraConfig.rank=0 is invalid"), (dict(target_modules=3), "LoraConfig.target_modules=3")):
+    with pytest.raises(ConfigError, match=f"^{re.escape(needle)}") as e:
+      lora.LoraConfig(**kwargs)
+    assert "\n" not in str(e.value)
+  assert "r" not in dataclasses.asdict(cfg) and dataclasses.replace(cfg, rank=2).rank == 2
+
+
+def test_target_modules_matching(base):
+  """A list entry that is a module name matches as PEFT's list form (the path, or a containing module's path,
+  equals it or ends with '.' + name); other entries are regexes searched in the path; a single string is a regex
+  over the whole path (PEFT's str form)."""
+  def targets(spec):
+    return lora.resolve_targets(base, lora.LoraConfig(target_modules=spec))
+
+  qv = targets(["q_proj", "v_proj"])
+  assert qv == [n for n in targets("all-linear") if n.endswith((".q_proj", ".v_proj"))] and len(qv) == 3
+  assert targets(["self_attn.q_proj"]) == targets(["q_proj"]) == targets((r"\.q_proj$",))
+  assert set(targets(["experts"])) == {f"layers.{i}.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
+  assert set(targets(["layers.0.mlp"])) == {f"layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
+  assert targets([r"layers\.1\.self_attn"]) == [n for n in targets("all-linear") if n.startswith("layers.1.self_attn.")]
+  # a single string: full match (PEFT), stored anchored; a regex list entry: searched
+  assert lora.LoraConfig(target_modules=r".*\.(q|v)_proj").target_modules == (r"^(?:.*\.(q|v)_proj)$",)
+  assert targets(r".*\.(q|v)_proj") == qv
+  assert targets([r"(q|v)_proj"]) == qv
+  with pytest.raises(ConfigError, match=r"^LoraConfig.target_modules regex '\^\(\?:q_proj\)\$' matches no module"):
+    targets("q_proj")  # as in PEFT, a string must match the whole path
+  with pytest.raises(ConfigError, match=r"^LoraConfig.target_modules module name 'attn' matches no module"):
+    targets(["attn"])  # a name matches whole path components only (`self_attn` is one)
+  # the shipped configs still select what they did
+  assert set(targets(("self_attn.(q|k|v|o)_proj", "mlp.(gate|up|down)_proj"))) == set(targets(lora.DEFAULT_TARGETS)) | {
+      f"self_conditioning.mlp.{p}_proj" for p in ("gate", "up", "down")}
 
 
 def test_default_targets_and_all_linear(base):

@@ -300,7 +300,7 @@ def run_misc() -> dict:
   return out
 
 
-# ---- SFTTrainer on a mesh ------------------------------------------------------------------------------------------
+# ---- Trainer on a mesh ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def spy_programs():
   """Records what every encode program of `generate` is given: the model's arrays, the prompt ids' rows / spec."""
@@ -327,7 +327,7 @@ def spy_programs():
 
 
 def run_trainer() -> dict:
-  """`SFTTrainer` with `mesh` config sections: 3 steps on data 2 x fsdp 2 x tensor 2, resumed for 2 more on
+  """`Trainer` with `mesh` config sections: 3 steps on data 2 x fsdp 2 x tensor 2, resumed for 2 more on
   fsdp 4 x tensor 2, against 5 straight steps on one device (no mesh); and a batch the mesh cannot split."""
   from hackable_diffusion.runs import config as config_lib
   from hackable_diffusion.training import logging as log_lib
@@ -356,18 +356,18 @@ def run_trainer() -> dict:
   out: dict = {}
   with tempfile.TemporaryDirectory() as tmp:
     single, sharded = os.path.join(tmp, "single"), os.path.join(tmp, "sharded")
-    with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:
+    with trainer_lib.Trainer(config(5), single, progress=False) as t:
       out["single_mesh"] = t.mesh is not None
       t.train()
     mesh_a = {"data": 2, "fsdp": 2, "tensor": 2}
-    with trainer_lib.SFTTrainer(config(3, mesh_a), sharded, progress=False) as t:
+    with trainer_lib.Trainer(config(3, mesh_a), sharded, progress=False) as t:
       out["a_mesh"] = dict(t.mesh.shape)
       out["a_embed_spec"] = spec(t.state.params["embed_tokens"][...])
       t.train()
       out["a_batch_spec"] = spec(sh.shard_batch(t.train_data[0], t.mesh).completion_ids)
     out["a_checkpoints"] = sorted(int(d) for d in os.listdir(os.path.join(sharded, "checkpoints")) if d.isdigit())
     mesh_b = {"data": 1, "fsdp": 4, "tensor": 2}
-    with trainer_lib.SFTTrainer(config(5, mesh_b), sharded, progress=False) as t:
+    with trainer_lib.Trainer(config(5, mesh_b), sharded, progress=False) as t:
       out["b_mesh"] = dict(t.mesh.shape)
       out["b_start_step"] = t.step
       out["b_embed_spec"] = spec(t.state.params["embed_tokens"][...])
@@ -391,7 +391,7 @@ def run_trainer() -> dict:
       out["eval_state_min_devices"] = min(len(x.sharding.device_set) for c in seen for x in c["state"])
       out["eval_embed_specs"] = sorted({json.dumps(c["embed"]) for c in seen})
       out["eval_ids"] = sorted({json.dumps([c["ids_rows"], c["ids_spec"]]) for c in seen})
-    with trainer_lib.SFTTrainer(config(5), single, progress=False) as t:  # the 5-step single-device state
+    with trainer_lib.Trainer(config(5), single, progress=False) as t:  # the 5-step single-device state
       single_params = jax.device_get(t.state.params)
     restored = run_lib.load_run(sharded)  # and the mesh run's, restored on one device
     out["final_param_max_diff"] = max_diff(nnx.state(restored.model, nnx.Param), single_params)
@@ -416,14 +416,14 @@ def run_trainer() -> dict:
     scanned_cfg.unlock()
     scanned_cfg.model.overrides.scan_layers = True
     scanned_cfg.lock()
-    with trainer_lib.SFTTrainer(scanned_cfg, os.path.join(tmp, "scanned"), progress=False) as t:
+    with trainer_lib.Trainer(scanned_cfg, os.path.join(tmp, "scanned"), progress=False) as t:
       out["scan_q_spec"] = spec(t.state.params["layers"]["blocks"][0]["self_attn"]["q_proj"]["kernel"][...])
       out["scan_q_shape"] = list(t.state.params["layers"]["blocks"][0]["self_attn"]["q_proj"]["kernel"][...].shape)
       t.train()
     out["scanned_losses"] = losses(os.path.join(tmp, "scanned"))
     out["single_losses"], out["sharded_losses"] = losses(single), losses(sharded)
     try:
-      trainer_lib.SFTTrainer(config(3, mesh_a, **{"train.batch_size": 6}), os.path.join(tmp, "bad"), progress=False)
+      trainer_lib.Trainer(config(3, mesh_a, **{"train.batch_size": 6}), os.path.join(tmp, "bad"), progress=False)
       out["bad_batch_error"] = ""
     except config_lib.ConfigError as e:
       out["bad_batch_error"] = str(e)

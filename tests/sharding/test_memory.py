@@ -74,7 +74,7 @@ def test_memory_estimate_takes_a_model_function():
 def test_lora_estimate_needs_targets_that_match(tiny_states):
   with pytest.raises(ConfigError, match=r"lora_rank=8 needs lora_targets"):
     memory.memory_estimate(tiny_states[0], {}, lora_rank=8)
-  with pytest.raises(ConfigError, match=r"regex 'nonsense' matches no 2-D kernel"):
+  with pytest.raises(ConfigError, match=r"entry 'nonsense' matches no 2-D kernel"):
     memory.memory_estimate(tiny_states[0], {}, lora_rank=8, lora_targets=(*DEFAULT_TARGETS, "nonsense"))
 
 
@@ -89,6 +89,11 @@ def test_lora_estimate_matches_real_adapters(tiny_states):
     estimate = memory.memory_estimate(tiny_states[0], mesh, lora_rank=8, lora_targets=DEFAULT_TARGETS)
     assert estimate.adapters == memory.per_device_bytes(adapters, mesh), mesh
   assert estimate.num_trainable == sum(x.size for x in jax.tree.leaves(adapters))
+  # PEFT's module-name form selects the same kernels in both (every q_proj, none of the others)
+  names = apply_lora(init_model(TINY, 0), LoraConfig(rank=8, target_modules=["q_proj"]), rngs=nnx.Rngs(0))
+  q_only = memory.memory_estimate(tiny_states[0], {}, lora_rank=8, lora_targets=["q_proj"])
+  assert 0 < q_only.num_trainable == sum(x.size for x in jax.tree.leaves(nnx.state(names, nnx.LoRAParam)))
+  assert q_only.num_trainable < estimate.num_trainable
 
 
 def test_scaling_doc_table_is_current():

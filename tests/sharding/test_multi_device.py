@@ -1,7 +1,7 @@
 """Multi-device sharding, in subprocesses with 8 fake CPU devices: sharded training (`make_train_step(mesh=)`) ==
 one device, compile-once, per-device bytes, sharded generate (`generate(mesh=)`), cross-mesh checkpoint restore,
 a train state initialised in its shards, HF checkpoints loaded straight into shards (`load_pretrained(mesh=)`),
-`SFTTrainer` with a `mesh` config section (== one device, resumed on another mesh), and evaluation on the run's
+`Trainer` with a `mesh` config section (== one device, resumed on another mesh), and evaluation on the run's
 mesh with the parameters in their training shardings (== one device's report; `load_run(mesh=)` too).
 
 The checks run in `tests/sharding/multi_device_worker.py` because JAX fixes its device count when it first
@@ -172,7 +172,7 @@ def test_generate_mesh_rejects_a_batch_it_cannot_split(worker_results):
 
 
 def test_trainer_on_a_mesh_equals_one_device(worker_results):
-  """SFTTrainer with `mesh.data=2, mesh.fsdp=2, mesh.tensor=2`: the state is sharded and the per-step losses are
+  """Trainer with `mesh.data=2, mesh.fsdp=2, mesh.tensor=2`: the state is sharded and the per-step losses are
   those of the same config on one device (1e-5 relative; see the module docstring)."""
   t = _get(worker_results, "trainer")
   assert t["single_mesh"] is False  # the default config: no mesh

@@ -48,6 +48,7 @@ BAD_VALUES = {
     "logging_steps": 0, "save_steps": 0, "save_total_limit": 0, "eval_steps": -5, "eval_at_end": 1,
     "eval_num_examples": 0, "eval_batch_size": 0, "eval_step_budgets": (0,), "eval_max_steps": 0,
     "sampling": {"t_min": 0.1}, "loss": "flat", "mesh": {"data": 2}, "model_overrides": {"hidden": 3},
+    "num_train_epochs": 0, "per_device_train_batch_size": 0, "max_length": 0, "report_to": "x",
 }
 
 
@@ -69,9 +70,47 @@ def test_sft_config_cross_field_errors_and_schedule():
   assert sections["optimizer"]["decay_steps"] == 300 and sections["train"]["steps"] == 300  # schedule = the run
   assert sections["optimizer"]["warmup_steps"] == 15 and SFTConfig(max_steps=5000).warmup_steps == 100
   assert sections["optimizer"]["peak_lr"] == 2e-4
+  # replace() derives the derived fields again (a keyword on top of args=); given ones are kept
+  assert SFTConfig().replace(max_steps=40).warmup_steps == 2 and SFTConfig(warmup_steps=7).replace(max_steps=40
+                                                                                                  ).warmup_steps == 7
+  assert SFTConfig(per_device_train_batch_size=2).replace(gradient_accumulation_steps=4).batch_size == 8
+  assert SFTConfig().replace(num_train_epochs=2).with_num_records(80).max_steps == 20
   cfg = config_lib.ExperimentConfig.from_config_dict({**sections, "model": {"preset": "tiny"},
                                                      "data": {**sections["data"], "train_path": "x.jsonl"}})
   assert cfg.optimizer.decay_steps == 300 and cfg.lora is None and cfg.model.dtype == "auto"
+
+
+def test_sft_config_defaults_are_the_sections_defaults():
+  """Every SFTConfig field that is a section key defaults to the section's typed default, except the documented
+  DIFFERENT_DEFAULTS (each with a reason, named in its field's comment); and the mapping is what
+  experiment_sections() writes."""
+  from hackable_diffusion.training import sft_config
+
+  defaults = config_lib.ExperimentConfig.from_config_dict({"data": {"train_path": "x.jsonl"}})
+  ours = SFTConfig()
+
+  def section_value(cfg, section, key):
+    if section == "lora":
+      return cfg.lora_seed
+    return getattr(cfg, section) if key is None else getattr(getattr(cfg, section), key)
+
+  source = open(sft_config.__file__, encoding="utf-8").read()
+  for name, (section, key) in sft_config.SECTION_KEYS.items():
+    expected, got = section_value(defaults, section, key), getattr(ours, name)
+    if name in sft_config.DIFFERENT_DEFAULTS:
+      assert got != expected and len(sft_config.DIFFERENT_DEFAULTS[name]) > 20, name
+      assert re.search(rf"\n  {name}: .*# DIFFERENT_DEFAULTS", source), f"{name}: the field comment must say so"
+    else:
+      assert got == expected, f"SFTConfig.{name}={got!r} but {section}.{key}={expected!r}: undocumented difference"
+  unmapped = {f.name for f in dataclasses.fields(SFTConfig)} - set(sft_config.SECTION_KEYS)
+  assert unmapped == {"output_dir", "num_train_epochs", "per_device_train_batch_size", "max_length", "report_to",
+                      "lora"}
+  sections = ours.experiment_sections()
+  built = config_lib.ExperimentConfig.from_config_dict({**sections, "model": {"preset": "tiny"},
+                                                       "data": {**sections["data"], "train_path": "x.jsonl"}})
+  for name, (section, key) in sft_config.SECTION_KEYS.items():
+    if name not in ("tokenizer", "add_bos"):  # set by hd.SFTTrainer from the model
+      assert section_value(built, section, key) == getattr(ours, name), name
 
 
 # ---- the README snippet -----------------------------------------------------------------------------------------
@@ -224,3 +263,35 @@ def test_hub_id_resolves_from_the_local_cache_offline(hf_factory, tmp_path, monk
     resolve_model_path("acme/missing")
   with pytest.raises(CheckpointError, match="no such checkpoint directory"):
     hd.load_pretrained(str(tmp_path / "not_there"))
+
+
+# ---- the keyword form -------------------------------------------------------------------------------------------
+def sudoku_like_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+  """81-character grids: the prompt with '.' blanks, the completion every cell filled."""
+  rng = random.Random(seed)
+  out = []
+  for _ in range(n):
+    grid = "".join(rng.choice("123456789") for _ in range(81))
+    out.append({"prompt": "".join(c if rng.random() < 0.4 else "." for c in grid), "completion": grid})
+  return out
+
+
+def test_keyword_form_runs(hf_factory, tmp_path, monkeypatch):
+  """`SFTTrainer(model=DiffusionGemmaConfig.from_pretrained(DIR), dataset_path=..., batch_size=8,
+  learning_rate=1e-4, num_steps=N).train()`: keywords mapped onto SFTConfig (dataset_path = train_dataset,
+  num_steps = max_steps), a fresh init of the checkpoint's config, output in runs/sft."""
+  from hackable_diffusion.training.sft_api import SFTTrainer
+  from hackable_diffusion.model.config import DiffusionGemmaConfig
+
+  _, DIR = hf_factory("sudoku_canvas96", canvas=96)
+  monkeypatch.chdir(tmp_path)
+  records = sudoku_like_records(8)
+  assert all(len(r["prompt"]) == 81 and "." in r["prompt"] for r in records)
+  with open("sudoku_81char.jsonl", "w", encoding="utf-8") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in records))
+  out = SFTTrainer(model=DiffusionGemmaConfig.from_pretrained(DIR), dataset_path="sudoku_81char.jsonl", batch_size=8,
+                   learning_rate=1e-4, num_steps=2).train()
+  assert out.global_step == 2 and np.isfinite(out.training_loss)
+  stored = json.load(open(tmp_path / "runs" / "sft" / "config.json", encoding="utf-8"))
+  assert stored["train"]["steps"] == 2 and stored["train"]["batch_size"] == 8
+  assert stored["optimizer"]["peak_lr"] == 1e-4

@@ -1,4 +1,4 @@
-"""SFTTrainer end to end on `configs/tiny.py`: learning, workdir layout, exact resume, non-finite loss.
+"""The Trainer end to end on `configs/tiny.py`: learning, workdir layout, exact resume, non-finite loss.
 
 Compile cost dominates on CPU, so the module trains once (module fixture) and the resume test reuses the same
 compiled train step (the trainer memoises it per model graph / optimizer / loss config).
@@ -103,7 +103,7 @@ def test_load_run_restores_the_trained_model(trained):
   run = run_lib.load_run(workdir)
   assert run.step == STEPS
   assert run.model.config.vocab_size == run.tokenizer.vocab_size == 14
-  with trainer_lib.SFTTrainer(tiny_config(**{"train.steps": STEPS}), workdir, progress=False) as t:
+  with trainer_lib.Trainer(tiny_config(**{"train.steps": STEPS}), workdir, progress=False) as t:
     assert t.step == STEPS  # resumed, nothing left to train
     expected = jax.tree.leaves(t.state.params)
   got = jax.tree.leaves(nnx.state(run.model, nnx.Param))
@@ -169,7 +169,7 @@ def test_training_loop_reads_the_non_finite_flag_only_when_it_logs_or_saves(tmp_
   config = tiny_config(**{"train.steps": 6, "train.log_every": 3, "train.checkpoint_every": 6,
                           "train.eval_at_end": False, "diffusion.self_conditioning_prob": 0.0})
   monkeypatch.setattr(_Flag, "reads", [])
-  with trainer_lib.SFTTrainer(config, str(tmp_path / "run"), progress=False) as t:
+  with trainer_lib.Trainer(config, str(tmp_path / "run"), progress=False) as t:
     original = t.train_step
 
     def flagged(state, batch, key, healthy):
@@ -212,7 +212,7 @@ def test_a_bad_evaluation_file_fails_before_training(tmp_path):
   bad.write_text('{"prompt": "3 1 2", "completion": "1 2 3"}\n' * 2 + '{"prompt": "3 1 2", "completion": \n')
   workdir = tmp_path / "run"
   with pytest.raises(DataError, match=rf"^{bad}:3: invalid JSON"):
-    trainer_lib.SFTTrainer(tiny_config(**{"train.steps": 4, "data.validation_path": str(bad)}), str(workdir),
+    trainer_lib.Trainer(tiny_config(**{"train.steps": 4, "data.validation_path": str(bad)}), str(workdir),
                            progress=False)
   assert not os.path.exists(os.path.join(workdir, checkpoints.CHECKPOINT_DIR)) or not os.listdir(
       os.path.join(workdir, checkpoints.CHECKPOINT_DIR))
