@@ -32,8 +32,15 @@ _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--he
 VERBOSE_FLAG = "verbose"
 VERBOSE_HELP = "On an error, print its traceback after the one-line message."
 
+TRUST_FLAG = "trust_remote_code"
+TRUST_HELP = ("Let a run directory's config.json (or a run named by model.checkpoint) name components by "
+              "'package.module:attribute', i.e. import and run that code. Off: only built-in and installed-plugin "
+              "names are accepted from it; config files given with --config are always trusted.")
+
 if VERBOSE_FLAG not in flags.FLAGS:  # defined once for every CLI (all of them import this module)
   flags.DEFINE_bool(VERBOSE_FLAG, False, VERBOSE_HELP)
+if TRUST_FLAG not in flags.FLAGS:
+  flags.DEFINE_bool(TRUST_FLAG, False, TRUST_HELP)
 
 
 def flag_value(argv: Sequence[str], name: str) -> tuple[int, str | None]:
@@ -86,7 +93,8 @@ def _prepare(argv: list[str], name: str,
     argv[idx] = f"--{name}={resolved}"
   else:
     argv[idx + 1] = resolved
-  config = config_lib.load_config_file(resolved)  # a broken file fails here in one line, not inside absl
+  # a broken file (or one whose get_config() returns no ConfigDict) fails here in one line, not inside absl
+  config = config_lib.load_config_file(resolved, require_config_dict=True)
   if keys:
     _check_keys(config, keys, name)
   return argv, config
@@ -157,12 +165,18 @@ def set_model_overrides(config: ml_collections.ConfigDict, fields: dict[str, Any
         config.model.overrides[field] = value
 
 
-def workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run wrote (`workdir/config.json`)."""
+def workdir_config(workdir: str, *, trust_remote_code: bool = False) -> ml_collections.ConfigDict:
+  """The resolved config a run wrote (`workdir/config.json`); a component it names by 'module:attribute' is
+  refused in one line unless `trust_remote_code` (`--trust_remote_code`; see `specs`)."""
   path = os.path.join(workdir, config_lib.CONFIG_FILENAME)
   if not os.path.isfile(path):
     raise ConfigError(f"{path}: no such file; pass --config=FILE or a --workdir written by hackable_diffusion.train")
-  return config_lib.config_from_json(path)
+  return config_lib.config_from_json(path, trust_remote_code=trust_remote_code)
+
+
+def trust_requested(argv: Sequence[str] | None = None) -> bool:
+  """Whether `--trust_remote_code` is on (the parsed flag, or with `argv` its last form there)."""
+  return _bool_flag(TRUST_FLAG, argv)
 
 
 def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[str]], Any] | None = None,
@@ -186,8 +200,9 @@ def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[st
     sharding.tell_job_and_leave(e)
     sys.exit(1)
 
-  if VERBOSE_FLAG in flags.FLAGS:  # listed by the CLI's --help
-    flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[VERBOSE_FLAG])
+  for name in (VERBOSE_FLAG, TRUST_FLAG):  # listed by the CLI's --help
+    if name in flags.FLAGS:
+      flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[name])
 
   def wrapped(argv):
     if not flags_were_set("verbosity", "v"):
@@ -213,13 +228,17 @@ def run_cli(main: Callable[[list[str]], Any], *, flags_parser: Callable[[list[st
 def verbose_requested(argv: Sequence[str] | None = None) -> bool:
   """Whether `--verbose` is on: the parsed flag, or (`argv` given: before or after a failed parse) its last form
   in `argv` (`--verbose`, `--verbose=true`, `--noverbose`)."""
+  return _bool_flag(VERBOSE_FLAG, argv)
+
+
+def _bool_flag(name: str, argv: Sequence[str] | None) -> bool:
   if argv is None:
-    return VERBOSE_FLAG in flags.FLAGS and flags.FLAGS.is_parsed() and bool(flags.FLAGS[VERBOSE_FLAG].value)
+    return name in flags.FLAGS and flags.FLAGS.is_parsed() and bool(flags.FLAGS[name].value)
   value = False
   for arg in argv[1:]:
     if arg == "--":
       break
-    m = re.match(rf"^--?(no)?{VERBOSE_FLAG}(=(.*))?$", arg)
+    m = re.match(rf"^--?(no)?{name}(=(.*))?$", arg)
     if m:
       value = not m.group(1) and (m.group(3) is None or m.group(3).lower() in ("1", "true", "t", "yes", "y"))
   return value
@@ -270,7 +289,7 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
     if workdir_default and flag_value(argv, name)[0] < 0:
       _, workdir = flag_value(argv, "workdir")
       if workdir:
-        default = workdir_config(workdir)
+        default = workdir_config(workdir, trust_remote_code=trust_requested(argv))
     argv, config = _prepare(argv, name, default)
     argv, model_fields = split_model_overrides(argv, config, name)
     if name not in flags.FLAGS:
@@ -293,6 +312,7 @@ def make_flags_parser(*, name: str = "config", workdir_default: bool = False):
   return parse
 
 
-__all__ = ["CONFIG_HELP", "VERBOSE_FLAG", "error_line", "fail", "flag_value", "flags_were_set", "make_flags_parser",
+__all__ = ["CONFIG_HELP", "TRUST_FLAG", "VERBOSE_FLAG", "error_line", "fail", "flag_value", "flags_were_set",
+           "make_flags_parser",
            "override_keys", "prepare_argv", "run_cli", "set_model_overrides", "split_model_overrides",
-           "verbose_requested", "workdir_config"]
+           "trust_requested", "verbose_requested", "workdir_config"]

@@ -32,8 +32,13 @@ class TrainingError(HackableDiffusionError):
   """Training cannot go on (e.g. the loss became non-finite, or the run was interrupted)."""
 
 
+class UnsafePathError(HackableDiffusionError):
+  """A file the project would write (in a workdir or an export folder) is a symbolic link it did not create:
+  writing would follow it to wherever it points, so the write is refused (`files.check_not_link`)."""
+
+
 # What the CLIs report as one line (FileNotFoundError: a path the user gave does not exist).
 USER_ERRORS: tuple[type[BaseException], ...] = (HackableDiffusionError, FileNotFoundError)
 
 __all__ = ["AdapterError", "CheckpointError", "ConfigError", "DataError", "HackableDiffusionError",
-           "TrainingError", "USER_ERRORS"]
+           "TrainingError", "USER_ERRORS", "UnsafePathError"]

@@ -79,7 +79,7 @@ def _source() -> dict:
     from hackable_diffusion.data.tokenizer import find_tokenizer_file
     from hackable_diffusion.runs import run as run_lib
 
-    run = run_lib.load_run(_WORKDIR.value, step=_STEP.value)
+    run = run_lib.load_run(_WORKDIR.value, step=_STEP.value, trust_remote_code=cli.trust_requested())
     cfg = run.config
     # the workdir itself: copy_tokenizer copies tokenizer.json/.model, tokenizer_config.json, chat_template.jinja
     has_tok = find_tokenizer_file(_WORKDIR.value) is not None

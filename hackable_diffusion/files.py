@@ -1,4 +1,5 @@
-"""Small file helpers shared by every layer: one JSON reader, one JSONL reader, one atomic writer.
+"""Small file helpers shared by every layer: one JSON reader, one JSONL reader, one atomic writer that never writes
+through a symbolic link.
 
 Readers turn every problem into a one-line error of the caller's class naming the file (and line); writers
 write to a temporary file in the same directory and rename it, so a reader never sees a half-written file and a
@@ -12,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from hackable_diffusion.errors import ConfigError, DataError
+from hackable_diffusion.errors import ConfigError, DataError, UnsafePathError
 
 
 def read_json(path: str | os.PathLike[str], *, error: type[Exception] = ConfigError, missing: str = "no such file",
@@ -64,19 +65,64 @@ def iter_jsonl(path: str | os.PathLike[str], *, error: type[Exception] = DataErr
         yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> str:
-  """Writes `data` to `path` through a temporary file and a rename; returns the path."""
+def check_not_link(path: str | os.PathLike[str]) -> str:
+  """`path` (as a str) unless it is a symbolic link: then a one-line `UnsafePathError`. The project never creates
+  links in a workdir or an export folder, so one there was put by someone else, and writing through it would
+  change the file it points to."""
   path = os.fspath(path)
+  if os.path.islink(path):
+    raise UnsafePathError(f"{path} is a symbolic link (to {os.readlink(path)}); refusing to write through it - "
+                          "remove the link")
+  return path
+
+
+def open_new(path: str | os.PathLike[str], mode: str = "wb", *, perms: int = 0o666, **kwargs: Any):
+  """`open(path, mode)` of a file created here: `O_CREAT | O_EXCL | O_NOFOLLOW`, so an existing file or link at
+  `path` is never followed or overwritten (`FileExistsError`); permissions `perms` less the umask."""
+  flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+  fd = os.open(path, flags, perms)
+  try:
+    return os.fdopen(fd, mode, **kwargs)
+  except BaseException:
+    try:  # not yet owned by a file object (which would have closed it already)
+      os.close(fd)
+    except OSError:
+      pass
+    raise
+
+
+def umask() -> int:
+  """The process's umask (read by setting it and setting it back)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def make_readable(path: str | os.PathLike[str]) -> None:
+  """Gives a file written by a library that creates it private (0600) the usual permissions: 0666 less the
+  umask (0644 under the common umask 022), as `open` would."""
+  os.chmod(path, 0o666 & ~umask())
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> str:
+  """Writes `data` to `path` through a temporary file and a rename; returns the path.
+
+  The temporary file is created afresh (`open_new`: never through a link); a symbolic link at `path` is refused
+  (`check_not_link`, one-line `UnsafePathError`). The file gets the usual permissions (0666 less the umask).
+  """
+  path = check_not_link(path)
   tmp = f"{path}.tmp-{os.getpid()}"
+  if os.path.lexists(tmp):  # left by a killed process of the same pid (or planted): removed, never followed
+    os.remove(tmp)
   mode, kwargs = ("wb", {}) if isinstance(data, bytes) else ("w", {"encoding": "utf-8"})
   try:
-    with open(tmp, mode, **kwargs) as f:
+    with open_new(tmp, mode, **kwargs) as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:
-    if os.path.exists(tmp):
+    if os.path.lexists(tmp):
       os.remove(tmp)
     raise
   return path
@@ -88,4 +134,5 @@ def write_json(path: str | os.PathLike[str], data: Any, *, indent: int | None = 
   return write_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys, default=default) + "\n")
 
 
-__all__ = ["iter_jsonl", "read_json", "write_atomic", "write_json"]
+__all__ = ["check_not_link", "iter_jsonl", "make_readable", "open_new", "read_json", "umask", "write_atomic",
+           "write_json"]

@@ -106,10 +106,13 @@ def _run_config() -> Any:
     raise ConfigError(f"--dtype={_DTYPE.value} applies to --checkpoint; a --workdir samples in the dtype it "
                       "trained in (export it with hackable_diffusion.export to load it in another dtype)")
   from hackable_diffusion.runs import run as run_lib
+  from hackable_diffusion.runs.config import ExperimentConfig
 
   if not os.path.isdir(_WORKDIR.value):
     raise ConfigError(f"{_WORKDIR.value}: no such workdir")
-  return run_lib.as_experiment_config(cli.workdir_config(_WORKDIR.value))
+  trust = cli.trust_requested()
+  return ExperimentConfig.from_config_dict(cli.workdir_config(_WORKDIR.value, trust_remote_code=trust),
+                                                   trust_remote_code=trust)
 
 
 def _load(run_cfg: Any) -> tuple[Any, Any]:
@@ -158,6 +161,7 @@ def _sample_and_show(model: Any, tokenizer: Any, prompts: Sequence[str], run_cfg
   """`runs.sampling.sample` with the command line's settings; the statistics to stderr, the shown text back."""
   from hackable_diffusion.runs import sampling
 
+  check_prompt_positions(tokenizer, prompts, model.config.max_position_embeddings)
   samples = sampling.sample(model, tokenizer, list(prompts), run_cfg, sampling=_sampling_config(run_cfg, model.config),
                             seed=seed, callback=callback, chat_template=_CHAT_TEMPLATE.value, task=task,
                             example_index=_EXAMPLE_INDEX.value, seed_canvas=_SEED_CANVAS.value,
@@ -166,6 +170,16 @@ def _sample_and_show(model: Any, tokenizer: Any, prompts: Sequence[str], run_cfg
     print(f"[{i}] denoising steps per canvas {samples.denoising_steps[i].tolist()}, tokens per forward "
           f"{float(samples.tokens_per_forward[i]):.2f}", file=sys.stderr)
   return sampling.render(task, samples)
+
+
+def check_prompt_positions(tokenizer: Any, prompts: Sequence[str], max_positions: int) -> None:
+  """A one-line `ConfigError` for a prompt whose tokens alone (before any chat template) exceed the model's
+  `max_position_embeddings`: positions past it have no rotary embedding the model was trained with."""
+  for i, text in enumerate(prompts):
+    n = len(tokenizer.encode(text))
+    if n > max_positions:
+      raise ConfigError(f"prompt {i} is {n} tokens, more than the model's max_position_embeddings={max_positions}; "
+                        "shorten it")
 
 
 def _read_prompt(task: Any) -> str | None:

@@ -21,7 +21,7 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from hackable_diffusion import cli  # noqa: E402
-from hackable_diffusion.errors import ConfigError  # noqa: E402
+from hackable_diffusion.errors import ConfigError, TrainingError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); override any "
                                           "key with --config.section.key=value.", lock_config=True)
@@ -42,8 +42,17 @@ def main(argv: list[str]) -> None:
     raise ConfigError("--config is required, e.g. --config=configs/tiny.py")
   from hackable_diffusion.training import trainer  # local: keeps --help fast
 
+  from hackable_diffusion.runs.config import ExperimentConfig
+
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
-  metrics = trainer.train(_CONFIG.value, workdir, progress=False if _NO_PROGRESS.value else None)
+  # the config file is trusted (it runs code by design); --trust_remote_code extends that to a run named by
+  # model.checkpoint (its config.json)
+  cfg = ExperimentConfig.from_config_dict(_CONFIG.value, trust_remote_code=cli.trust_requested())
+  try:
+    metrics = trainer.train(cfg, workdir, progress=False if _NO_PROGRESS.value else None)
+  except KeyboardInterrupt:  # between the trainer's own signal handling (setup, the loop): nothing half-written
+    raise TrainingError("interrupted; the last complete checkpoint is kept - rerun the same command to "
+                        "resume") from None
   shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
   print(f"done: {workdir} ({shown})")
 

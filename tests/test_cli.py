@@ -145,7 +145,7 @@ def test_bad_data_errors_in_process(tmp_path):
   for path, match in ((bad, "bad.jsonl:2: invalid JSON"), (nocomp, "nocomp.jsonl:1: missing field 'completion'")):
     config = config_lib.load_config_file("tiny.py", {"data.generator": "", "data.train_path": str(path)})
     with pytest.raises(DataError, match=match) as err:
-      trainer_lib.SFTTrainer(config, str(tmp_path / "w"))
+      trainer_lib.Trainer(config, str(tmp_path / "w"))
     assert "\n" not in str(err.value)
   corrupt = tmp_path / "corrupt_run"
   (corrupt / "checkpoints").mkdir(parents=True)

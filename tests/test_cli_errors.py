@@ -103,3 +103,37 @@ def test_every_cli_prints_one_line_and_with_verbose_the_traceback(module, args, 
   assert "Traceback (most recent call last):" in loud.stderr and len(lines) > 3, loud.stderr[-3000:]
   assert lines[-1].startswith("hackable_diffusion.errors.ConfigError: "), lines[-1]
   assert not (broken_configs / "w").exists() and not (broken_configs / "o").exists()
+
+
+def test_get_config_returning_no_config_dict_is_one_line(tmp_path):
+  """absl's config flags need a ConfigDict: a dict or another mapping from get_config() is one line naming the file,
+  in-process and through `train`."""
+  sources = ("def get_config():\n  return {'train': {'steps': 2}}\n",
+             "import types\n\n\ndef get_config():\n  return types.MappingProxyType({'train': {}})\n")
+  for source in sources:
+    path = tmp_path / "returns.py"
+    path.write_text(source)
+    with pytest.raises(ConfigError, match=r"returns\.py: get_config\(\) returned a (dict|mappingproxy), not an "
+                                          r"ml_collections\.ConfigDict"):
+      cli_lib.prepare_argv(["prog", f"--config={path}"])
+  res = _cli("train", f"--config={path}", "--workdir=w", cwd=tmp_path)
+  lines = res.stderr.strip().splitlines()
+  assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
+  assert re.search(r"^error: .*returns\.py: get_config\(\) returned a mappingproxy", lines[0]), lines[0]
+
+
+def test_trust_remote_code_is_read_from_argv():
+  assert not cli_lib.trust_requested(["prog"])
+  assert cli_lib.trust_requested(["prog", "--trust_remote_code"])
+  assert not cli_lib.trust_requested(["prog", "--trust_remote_code", "--notrust_remote_code"])
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused():
+  from hackable_diffusion import sample
+
+  class Chars:
+    encode = staticmethod(lambda text: list(range(len(text))))
+
+  sample.check_prompt_positions(Chars(), ["abc"], 3)
+  with pytest.raises(ConfigError, match=r"^prompt 1 is 5 tokens, more than the model's max_position_embeddings=3"):
+    sample.check_prompt_positions(Chars(), ["abc", "abcde"], 3)

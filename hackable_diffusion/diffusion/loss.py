@@ -328,13 +328,13 @@ LOSS_TERMS: Mapping[str, Callable[[], LossTerm]] = types.MappingProxyType({
 
 
 def get_loss_term(variant: str) -> LossTerm:
-  """The term a `LOSS_TERMS` name or 'package.module:Factory' names; a one-line `ConfigError` if none."""
+  """The term a `LOSS_TERMS` name, an installed `hackable_diffusion.loss_terms` plugin or 'package.module:Factory'
+  names (`specs.resolve`); a one-line `ConfigError` if none."""
   if variant in LOSS_TERMS:
     return LOSS_TERMS[variant]()
-  if not specs.is_spec(variant):
-    raise ConfigError(f"diffusion.loss_variant={variant!r}; expected one of {tuple(LOSS_TERMS)} or "
-                      "'package.module:Factory'")
-  factory = specs.import_spec(variant, what="diffusion.loss_variant")
+  factory = specs.resolve("loss_terms", variant, what="diffusion.loss_variant", builtins=LOSS_TERMS,
+                          unknown=f"diffusion.loss_variant={variant!r}; expected one of {tuple(LOSS_TERMS)}, an "
+                                  "installed plugin or 'package.module:Factory'")
   if not callable(factory):
     raise ConfigError(f"diffusion.loss_variant={variant!r} is a {type(factory).__name__}, not a class or function")
   try:

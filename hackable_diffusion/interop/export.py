@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flax import nnx
 
 from hackable_diffusion.errors import AdapterError, CheckpointError, ConfigError
-from hackable_diffusion.files import write_json
+from hackable_diffusion.files import write_atomic, write_json
 from hackable_diffusion.interop import hf
 from hackable_diffusion.interop import peft as peft_io
 from hackable_diffusion.lora.adapters import has_lora
@@ -147,7 +146,8 @@ def copy_tokenizer(tokenizer_path: str, out_dir: str) -> list[str]:
   for src in files:
     dst = os.path.join(out_dir, os.path.basename(src))
     if os.path.abspath(src) != os.path.abspath(dst):
-      shutil.copyfile(src, dst)
+      with open(src, "rb") as f:  # through a fresh temporary file: a link at `dst` is refused, never followed
+        write_atomic(dst, f.read())
     written.append(dst)
   return written
 

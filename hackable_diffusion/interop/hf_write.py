@@ -21,7 +21,7 @@ from safetensors import flax as safetensors_flax
 from safetensors.numpy import save_file
 
 from hackable_diffusion.errors import CheckpointError
-from hackable_diffusion.files import read_json, write_json
+from hackable_diffusion.files import check_not_link, make_readable, read_json, write_json
 from hackable_diffusion.interop import quantized_export
 from hackable_diffusion.interop.names import hf_name, is_vision, iter_variables
 from hackable_diffusion.interop.safetensors_io import INDEX_NAME, WEIGHTS_NAME, iter_tensors
@@ -163,13 +163,28 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
 
 
 def _atomic_save(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
-  """Writes a safetensors file through a temporary file and a rename (streamed by safetensors, not via bytes)."""
+  """Writes a safetensors file through a temporary file and a rename (streamed by safetensors, not via bytes).
+
+  A symbolic link at `file` is refused (`files.check_not_link`), one at the temporary name removed, never followed;
+  the file gets the usual permissions (0666 less the umask); a failed write (a full disk) is a one-line
+  `CheckpointError` and leaves no temporary file.
+  """
+  check_not_link(file)
   tmp = file + ".tmp"
-  if any(a.dtype == jnp.bfloat16 for a in tensors.values()):  # numpy has no bf16 in safetensors' numpy writer
-    safetensors_flax.save_file({k: jnp.asarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
-  else:
-    save_file(tensors, tmp, metadata=metadata)
-  os.replace(tmp, file)
+  if os.path.lexists(tmp):
+    os.remove(tmp)
+  try:
+    if any(a.dtype == jnp.bfloat16 for a in tensors.values()):  # numpy has no bf16 in safetensors' numpy writer
+      safetensors_flax.save_file({k: jnp.asarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+    else:
+      save_file(tensors, tmp, metadata=metadata)
+    make_readable(tmp)
+    os.replace(tmp, file)
+  except Exception as e:  # safetensors' SafetensorError (e.g. no space left on device), OSError
+    if os.path.lexists(tmp):
+      os.remove(tmp)
+    reason = (e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())) or type(e).__name__
+    raise CheckpointError(f"cannot write {file}: {reason}") from None
 
 
 __all__ = ["save_pretrained"]

@@ -16,7 +16,8 @@ the prompt's own mask says.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,11 +30,17 @@ StructureFn = Callable[[Any], np.ndarray]
 FIELD = "ModelConfig.attention_structure"
 
 
+# The project's own attention structures by name (none: a task's structure is named by its 'module:function' or by
+# an installed `hackable_diffusion.attention_structures` plugin).
+BUILTIN_STRUCTURES: Mapping[str, StructureFn] = types.MappingProxyType({})
+
+
 def check_spec(spec: str | None) -> None:
-  """A one-line `ConfigError` unless `spec` is None or has the form 'package.module:function' (imports nothing)."""
+  """A one-line `ConfigError` unless `spec` is None, an installed plugin name or 'package.module:function' (imports
+  nothing)."""
   if spec is None:
     return
-  if not specs.is_spec(spec):
+  if not (specs.is_spec(spec) or specs.is_named("attention_structures", spec, BUILTIN_STRUCTURES)):
     raise ConfigError(f"{FIELD}={spec!r}: expected None or 'package.module:function' returning a "
                       "[heads|1, canvas, canvas] bool mask (a task's own structure: what its "
                       "attention_structure() returns)")
@@ -42,7 +49,7 @@ def check_spec(spec: str | None) -> None:
 def get_structure(spec: str) -> StructureFn:
   """The structure function `spec` ('package.module:function') names; a one-line `ConfigError` if there is none."""
   check_spec(spec)
-  fn = specs.import_spec(spec, what=FIELD)
+  fn = specs.resolve("attention_structures", spec, what=FIELD, builtins=BUILTIN_STRUCTURES)
   if not callable(fn):
     raise ConfigError(f"{FIELD}={spec!r} is a {type(fn).__name__}, not a function of the model config")
   return fn
@@ -72,4 +79,4 @@ def prompt_width(config: Any) -> int:
   return 0 if mask is None else mask.shape[-1] - config.canvas_length
 
 
-__all__ = ["FIELD", "StructureFn", "canvas_mask", "check_spec", "get_structure", "prompt_width"]
+__all__ = ["BUILTIN_STRUCTURES", "FIELD", "StructureFn", "canvas_mask", "check_spec", "get_structure", "prompt_width"]

@@ -326,7 +326,9 @@ class ExperimentConfig:
   """Every section of an experiment, typed and validated. `raw` is the resolved config as a plain dict.
 
   lora: the adapters' `LoraConfig`, or None for full fine-tuning (`lora.enabled=False`); lora_seed: the seed of
-  the adapters' initialisation (`lora.seed`).
+  the adapters' initialisation (`lora.seed`). trust_remote_code: whether the run directories this config points at
+  (`model.checkpoint` = a run) may name components by 'module:attribute' in their config.json (see `specs`); the
+  config itself is trusted (it comes from a config file or from Python), and this flag is not part of `raw`.
   """
 
   model: ModelSection
@@ -340,9 +342,11 @@ class ExperimentConfig:
   lora_seed: int = 0
   mesh: MeshConfig = MeshConfig(data=1)
   raw: Mapping[str, Any]
+  trust_remote_code: bool = False
 
   @classmethod
-  def from_config_dict(cls, config: ml_collections.ConfigDict | Mapping[str, Any]) -> ExperimentConfig:
+  def from_config_dict(cls, config: ml_collections.ConfigDict | Mapping[str, Any], *,
+                       trust_remote_code: bool = False) -> ExperimentConfig:
     raw = config_to_dict(config)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
@@ -380,6 +384,7 @@ class ExperimentConfig:
         lora_seed=lora_seed,
         mesh=_build(MeshConfig, "mesh", {**_MESH_DEFAULTS, **sec["mesh"]}),
         raw=raw,
+        trust_remote_code=bool(trust_remote_code),
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from hackable_diffusion import specs
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.files import read_json, write_json
 
@@ -54,8 +55,12 @@ def resolve_config_path(path: str) -> str:
                     f"available: {available}")
 
 
-def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+def load_config_file(path: str, overrides: Mapping[str, Any] | None = None, *,
+                     require_config_dict: bool = False) -> ml_collections.ConfigDict:
   """Runs `get_config()` of a config file (bare names resolve into configs/) and applies `{'a.b': value}`.
+
+  `get_config()` may return a dict (converted here) unless `require_config_dict` (the CLIs: absl's config flags
+  need a `ConfigDict`), where anything else is a one-line `ConfigError`.
 
   A broken file is a one-line ConfigError naming the file and line (`FILE:LINE: SyntaxError: ...`): the source is
   compiled here first, so a syntax error never reaches absl / ml_collections, and an exception raised while the
@@ -70,6 +75,9 @@ def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> m
     config = module.get_config(arg) if arg else module.get_config()
   except Exception as e:  # noqa: BLE001 - a broken config file: say where, in one line
     raise config_file_error(file, e) from e
+  if not isinstance(config, ml_collections.ConfigDict) and require_config_dict:
+    raise ConfigError(f"{file}: get_config() returned a {type(config).__name__}, not an ml_collections.ConfigDict "
+                      "(return ml_collections.ConfigDict(...))")
   if not isinstance(config, ml_collections.ConfigDict):
     try:
       config = ml_collections.ConfigDict(config)
@@ -122,9 +130,59 @@ def _exec_config_file(file: str) -> Any:
   return module
 
 
-def config_from_json(path: str) -> ml_collections.ConfigDict:
-  """The `config.json` a run wrote (lists become tuples again, so CLI overrides of them keep working)."""
+# config keys (at any depth: eval.ablations may repeat them) naming a component -> its kind (`specs.KINDS`)
+CODE_KEYS: Mapping[str, str] = {"task": "tasks", "generator": "tasks", "loss_variant": "loss_terms",
+                                "acceptance": "acceptance_rules", "attention_structure": "attention_structures"}
+
+
+# An attention structure is called with the model config only (no arguments from the config): one defined in the
+# project's own task packages is accepted from a run's config.json as a built-in would be.
+OWN_STRUCTURE_MODULES = ("hackable_diffusion.tasks.",)
+
+
+def _builtins(kind: str) -> Mapping[str, Any]:
+  """The built-in names of `kind` (imported on use: the tables live with their components)."""
+  if kind == "tasks":
+    from hackable_diffusion.tasks.base import BUILTIN_TASKS
+    return BUILTIN_TASKS
+  if kind == "loss_terms":
+    from hackable_diffusion.diffusion.loss import LOSS_TERMS
+    return LOSS_TERMS
+  if kind == "acceptance_rules":
+    from hackable_diffusion.sampling.rules import BUILTIN_RULES
+    return BUILTIN_RULES
+  from hackable_diffusion.model.structure import BUILTIN_STRUCTURES
+  return BUILTIN_STRUCTURES
+
+
+def check_untrusted_config(data: Mapping[str, Any], source: str) -> None:
+  """A one-line `ConfigError` when the config `data` read from `source` (a run's config.json, not trusted to run
+  code) names a component by 'package.module:attribute' rather than by a built-in or installed-plugin name
+  (`specs.check_untrusted`)."""
+
+  def walk(node: Any, prefix: str) -> None:
+    if not isinstance(node, Mapping):
+      return
+    for key, value in node.items():
+      if isinstance(value, Mapping):
+        walk(value, f"{prefix}{key}.")
+      elif key in CODE_KEYS:
+        kind = CODE_KEYS[key]
+        specs.check_untrusted(kind, value, what=f"{prefix}{key}", source=source, builtins=_builtins(kind),
+                              own_modules=OWN_STRUCTURE_MODULES if kind == "attention_structures" else ())
+
+  walk(data, "")
+
+
+def config_from_json(path: str, *, trust_remote_code: bool = False) -> ml_collections.ConfigDict:
+  """The `config.json` a run wrote (lists become tuples again, so CLI overrides of them keep working).
+
+  A run directory may come from anywhere: unless `trust_remote_code`, a component named by 'module:attribute'
+  (rather than a built-in or installed-plugin name) is refused in one line (`check_untrusted_config`).
+  """
   data = read_json(path, missing="no such file (is this a workdir written by hackable_diffusion.train?)")
+  if not trust_remote_code:
+    check_untrusted_config(data, path)
 
   def fix(v):
     if isinstance(v, dict):
@@ -170,6 +228,6 @@ def write_config_json(config: ml_collections.ConfigDict | Mapping[str, Any], wor
   return write_json(os.path.join(workdir, CONFIG_FILENAME), config_to_dict(config), default=str)
 
 
-__all__ = ["CONFIGS_DIR", "CONFIG_FILENAME", "apply_overrides", "check_config_source", "check_override_keys",
-           "config_file_error", "config_from_json", "config_to_dict", "load_config_file", "resolve_config_path",
-           "write_config_json"]
+__all__ = ["CODE_KEYS", "CONFIGS_DIR", "CONFIG_FILENAME", "OWN_STRUCTURE_MODULES", "apply_overrides",
+           "check_config_source", "check_override_keys", "check_untrusted_config", "config_file_error",
+           "config_from_json", "config_to_dict", "load_config_file", "resolve_config_path", "write_config_json"]

@@ -41,6 +41,7 @@ from hackable_diffusion.model.config import ModelConfig, get_preset
 from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import EvalRecord, Task, get_task
 from hackable_diffusion.runs import config as config_lib
+from hackable_diffusion.runs import workdir as workdir_lib
 from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer, step_to_restore
 from hackable_diffusion.runs.config import ExperimentConfig
 from hackable_diffusion.sharding.mesh import is_main_process
@@ -142,8 +143,10 @@ def build_model_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConf
   """
   overrides = dict(cfg.model.overrides)
   if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
-    base_cfg = config_lib.config_from_json(os.path.join(cfg.model.checkpoint, config_lib.CONFIG_FILENAME))
-    base = build_model_config(as_experiment_config(base_cfg), tokenizer)
+    base_cfg = config_lib.config_from_json(os.path.join(cfg.model.checkpoint, config_lib.CONFIG_FILENAME),
+                                           trust_remote_code=cfg.trust_remote_code)
+    base = build_model_config(ExperimentConfig.from_config_dict(base_cfg, trust_remote_code=cfg.trust_remote_code),
+                              tokenizer)
     return base.replace(**overrides) if overrides else base
   if cfg.model.checkpoint:
     dtype = resolve_dtype(cfg.model.checkpoint, cfg.model.dtype)
@@ -197,14 +200,50 @@ def build_abstract_model(cfg: ExperimentConfig, model_config: ModelConfig) -> tu
     trainable.append(filt)
     return wrapped
 
-  return nnx.eval_shape(make), trainable[0]
+  abstract = nnx.eval_shape(make)
+  if cfg.lora is None or cfg.lora.base_quantization == "none":  # a quantized base needs less than its shapes say
+    check_fits_memory(abstract)
+  return abstract, trainable[0]
+
+
+def available_memory() -> tuple[int, str]:
+  """(bytes free for the model, where): the free memory of every accelerator of this job together (the most any
+  mesh can hold), or on a CPU the host's available memory (`MemAvailable`)."""
+  devices = jax.devices()
+  try:
+    stats = jax.local_devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 - a backend without memory statistics
+    stats = {}
+  if stats.get("bytes_limit"):
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return free * len(devices), f"{len(devices)} x {devices[0].device_kind}"
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      meminfo = {line.split(":")[0]: line.split()[1] for line in f if ":" in line}
+    return int(meminfo["MemAvailable"]) * 1024, "host memory"
+  except (OSError, KeyError, ValueError, IndexError):
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host memory"
+
+
+def check_fits_memory(abstract: Any, *, what: str = "the model's parameters") -> int:
+  """A one-line `ConfigError` when the arrays of `abstract` (shapes only) need more bytes than `available_memory()`
+  - checked before anything is allocated, so a mistyped size (`model.overrides.vocab_size=1e10`) is refused at once
+  instead of failing deep inside an allocation. Returns the bytes needed."""
+  need = workdir_lib.state_bytes(abstract)
+  free, where = available_memory()
+  if need > free:
+    raise ConfigError(f"{what} need an estimated {need / 2**30:.1f} GiB > available {free / 2**30:.1f} GiB "
+                      f"({where}); check model.preset / model.overrides (vocab_size, hidden_size, "
+                      "num_hidden_layers, ...)")
+  return need
 
 
 def build_model(cfg: ExperimentConfig, model_config: ModelConfig, *, mesh: Mesh | None = None) -> nnx.Module:
   """The network's base weights (no adapters): a fresh init, a Hugging Face checkpoint (read straight into its
   shards with `mesh`), or a previous run's latest checkpoint (its adapters merged)."""
   if cfg.model.checkpoint and is_run_workdir(cfg.model.checkpoint):
-    model = scan.unstack_layers(load_run(cfg.model.checkpoint).model)  # a previous run's latest checkpoint
+    # a previous run's latest checkpoint (its config.json trusted as far as this config says)
+    model = scan.unstack_layers(load_run(cfg.model.checkpoint, trust_remote_code=cfg.trust_remote_code).model)
     return lora_lib.merge(model) if lora_lib.has_lora(model) else model
   if cfg.model.checkpoint:
     overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dtype", "param_dtype")}
@@ -383,8 +422,12 @@ class LoadedRun:
 
 
 def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = None, *,
-             mesh: Mesh | None = None) -> LoadedRun:
+             mesh: Mesh | None = None, trust_remote_code: bool = False) -> LoadedRun:
   """Restores the model of checkpoint `step` (default: latest) of `workdir`, without optimizer state.
+
+  `config` (default: the run's config.json): a config given here is trusted like any config built in Python;
+  the run's own config.json is not, unless `trust_remote_code` - a component it names by 'module:attribute'
+  (code to import) is refused in one line (see `specs`).
 
   `mesh` (e.g. `make_run_mesh(cfg)`, the run's own mesh): every variable is restored straight into its shards by
   the logical-axis rules, as training holds it (whatever mesh wrote the checkpoint); None: whole on one device.
@@ -397,8 +440,12 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
   def read() -> tuple[ExperimentConfig, Tokenizer, ModelConfig, int]:
     if not os.path.isdir(workdir):
       raise CheckpointError(f"{workdir}: no such workdir")
-    cfg = as_experiment_config(config if config is not None else
-                               config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME)))
+    if config is None:
+      cfg = ExperimentConfig.from_config_dict(
+          config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME),
+                                      trust_remote_code=trust_remote_code), trust_remote_code=trust_remote_code)
+    else:
+      cfg = as_experiment_config(config)
     tokenizer = load_run_tokenizer(workdir)
     return cfg, tokenizer, build_model_config(cfg, tokenizer), step_to_restore(ckpt_dir, requested)
 
@@ -433,7 +480,8 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
   return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths, mesh=mesh)
 
 
-__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "build_abstract_model",
+__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "available_memory",
+           "build_abstract_model", "check_fits_memory",
            "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
            "eval_task", "evaluate_model", "generation_defaults", "is_run_workdir", "load_eval_data", "load_run",
            "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]

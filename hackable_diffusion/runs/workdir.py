@@ -1,11 +1,13 @@
 """A run's workdir before training starts: preflight checks, the workdir lock, resume compatibility, config.json.
 
-`open_workdir(cfg, workdir)` is what `SFTTrainer` runs before it writes anything into its workdir:
+`open_workdir(cfg, workdir)` is what the trainer runs before it writes anything into its workdir:
 
 1. Preflight (every process): the data files of every split exist (`data.train_path`, `data.validation_path`
-   when set; a `data.generator` writes its own files and is skipped), and the workdir can be created and written
-   (a probe file is created and removed). Each failure is one line naming the path and the reason (read-only
-   file system, permission denied, a file where a directory should be).
+   when set; a `data.generator` writes its own files and is skipped), the workdir can be created and written
+   (a probe file is created and removed), and none of the files a run writes there is a symbolic link
+   (`check_no_links`: writing would change the file it points to; the lock file is opened with O_NOFOLLOW).
+   Each failure is one line naming the path and the reason (read-only file system, permission denied, a file
+   where a directory should be, a link).
 2. The workdir lock (process 0 only): an exclusive `fcntl.flock` on `workdir/.lock`, which holds
    `{"pid", "host", "started"}` of its owner. A second run on the same workdir gets a one-line `TrainingError`
    naming the owner's pid and host. The kernel drops a flock when its process dies (even on SIGKILL), so a lock
@@ -53,8 +55,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from hackable_diffusion.errors import ConfigError, DataError, TrainingError
-from hackable_diffusion.files import read_json, write_atomic
+from hackable_diffusion.errors import ConfigError, DataError, TrainingError, UnsafePathError
+from hackable_diffusion.data.chat import CHAT_TEMPLATE_FILENAME
+from hackable_diffusion.data.tokenizer_files import (TOKENIZER_CONFIG_FILENAME, TOKENIZER_FILENAME,
+                                                     TOKENIZER_JSON_FILENAME)
+from hackable_diffusion.files import check_not_link, read_json, write_atomic
 from hackable_diffusion.sharding.mesh import is_main_process, stop_together
 from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR
@@ -117,6 +122,19 @@ def check_writable_dir(path: str, *, what: str = "workdir", hint: str = "") -> s
   except OSError as e:
     raise ConfigError(f"{what} {path} is not writable: {_reason(e)}{hint}") from None
   return path
+
+
+# the files a run writes at the top of its workdir (besides `.lock`): a symbolic link under one of these names was
+# not made by the project and is refused before anything is written (metrics.jsonl: `training.logging`)
+WRITTEN_FILES = (config_lib.CONFIG_FILENAME, PREV_CONFIG_FILENAME, "metrics.jsonl", "metrics.jsonl.tmp",
+                 TOKENIZER_FILENAME, TOKENIZER_JSON_FILENAME, TOKENIZER_CONFIG_FILENAME, CHAT_TEMPLATE_FILENAME)
+
+
+def check_no_links(workdir: str) -> None:
+  """A one-line `UnsafePathError` when one of `WRITTEN_FILES` in `workdir` is a symbolic link (writing it would
+  change the file the link points to)."""
+  for name in WRITTEN_FILES:
+    check_not_link(os.path.join(workdir, name))
 
 
 def check_data_paths(cfg: ExperimentConfig) -> None:
@@ -205,9 +223,13 @@ class WorkdirLock:
     if self.held:
       return self
     for _ in range(100):  # retried only when a releasing owner deleted the file between our open and our flock
-      try:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:  # O_NOFOLLOW: a link planted as the lock file is never followed (its target would be overwritten)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
       except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(self.path):
+          raise UnsafePathError(f"workdir {self.workdir}: the lock file {self.path} is a symbolic link; refusing to "
+                                "write through it - remove the link") from None
         raise TrainingError(f"workdir {self.workdir}: cannot create the lock file {self.path}: {_reason(e)}") from None
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -329,7 +351,7 @@ def write_config(raw: Mapping[str, Any], workdir: str) -> str:
 
   Nothing is written when the stored config is the same. Returns the path of config.json.
   """
-  path = os.path.join(workdir, config_lib.CONFIG_FILENAME)
+  path = check_not_link(os.path.join(workdir, config_lib.CONFIG_FILENAME))
   if os.path.isfile(path):
     with open(path, "rb") as f:
       stored = f.read()
@@ -356,6 +378,7 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
   try:
     check_data_paths(cfg)
     workdir = check_writable_dir(workdir)
+    check_no_links(workdir)
     lock = WorkdirLock(workdir).acquire() if main else None
   except Exception as e:  # noqa: BLE001 - told to the other processes, then raised
     error = e
@@ -374,6 +397,7 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
   return lock
 
 
-__all__ = ["LOCK_FILENAME", "PREV_CONFIG_FILENAME", "REFUSED_SECTIONS", "WorkdirLock", "check_data_paths",
+__all__ = ["LOCK_FILENAME", "PREV_CONFIG_FILENAME", "REFUSED_SECTIONS", "WRITTEN_FILES", "WorkdirLock",
+           "check_data_paths", "check_no_links",
            "check_resume", "check_writable_dir", "checkpoint_steps", "config_changes", "format_changes",
            "is_refused", "open_workdir", "state_bytes", "warn_if_low_disk", "write_config"]

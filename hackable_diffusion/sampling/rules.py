@@ -110,19 +110,15 @@ BUILTIN_RULES: Mapping[str, Callable[..., AcceptanceRule]] = types.MappingProxyT
 
 
 def resolve_factory(spec: str) -> Callable[..., AcceptanceRule]:
-  """The rule factory named by `spec`: a `BUILTIN_RULES` name or `'package.module:Factory'` (imported).
+  """The rule factory named by `spec`: a `BUILTIN_RULES` name, an installed `hackable_diffusion.acceptance_rules`
+  plugin or `'package.module:Factory'` (imported; see `specs.resolve`).
 
   Raises `ConfigError` (one line) for an unknown name or a spec that cannot be imported.
   """
   if not isinstance(spec, str) or not spec:
     raise ConfigError(f"acceptance={spec!r} is invalid: expected one of {sorted(BUILTIN_RULES)} or "
                       f"'package.module:Factory'")
-  if spec in BUILTIN_RULES:
-    return BUILTIN_RULES[spec]
-  if not specs.is_spec(spec):
-    raise ConfigError(f"acceptance={spec!r} is unknown: expected one of {sorted(BUILTIN_RULES)} or "
-                      f"'package.module:Factory'")
-  factory = specs.import_spec(spec, what="acceptance")
+  factory = specs.resolve("acceptance_rules", spec, what="acceptance", builtins=BUILTIN_RULES)
   if not callable(factory):
     raise ConfigError(f"acceptance={spec!r}: {spec.partition(':')[2]!r} is not callable")
   return factory

@@ -221,15 +221,16 @@ BUILTIN_TASKS: Mapping[str, str] = types.MappingProxyType({
 
 
 def get_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
-  """The task `name` (a `BUILTIN_TASKS` name or 'package.module:factory') built with `args`.
+  """The task `name` (a `BUILTIN_TASKS` name, an installed `hackable_diffusion.tasks` plugin or
+  'package.module:factory', see `specs.resolve`) built with `args`.
 
   A one-line `ConfigError` on any problem: unknown name, unimportable module, missing factory, arguments the
   factory rejects, or a result that lacks one of the `Task` hooks.
   """
   spec = BUILTIN_TASKS.get(name, name)
-  if not specs.is_spec(spec):
-    raise ConfigError(f"unknown task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)} (or give 'module:factory')")
-  factory = specs.import_spec(spec, what="task")
+  factory = specs.resolve("tasks", name, what="task", builtins=BUILTIN_TASKS,
+                          unknown=f"unknown task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)} (or an installed "
+                                  "plugin, or give 'module:factory')")
   if not callable(factory):
     raise ConfigError(f"task {name!r}: {spec} is a {type(factory).__name__}, not a class or function")
   args = dict(args or {})

@@ -1,4 +1,4 @@
-"""`SFTTrainer`: thin orchestration of data, model, optimizer, loop, checkpoints, logging and evaluation.
+"""`Trainer`: thin orchestration of data, model, optimizer, loop, checkpoints, logging and evaluation.
 
 The math lives elsewhere: the loss in `diffusion/loss.py`, the pure `(state, batch, key) -> (state, metrics)`
 step in `training/step.py`, the optimizer in `training/optimizer.py`; building the run's pieces from its config
@@ -27,6 +27,11 @@ and at the end - no device->host sync per step. Then the trainer saves the last 
 first non-finite step's predecessors) as the checkpoint of that step, and stops with a one-line `TrainingError`;
 a non-finite update is never applied, so never written.
 
+Signals: SIGINT or SIGTERM during setup stops with one line and nothing saved; during training the loop stops at
+the next step boundary, logs the steps since the last metrics line, saves the state with the data iterator's state
+after the same number of batches (a resume continues bit for bit) and stops with one line; a second signal exits at
+once. The workdir lock is released either way (`_Interrupts`).
+
 I/O failures: a metrics or TensorBoard write that fails (ENOSPC, EIO) raises a one-line `TrainingError` at once
 (every write happens in the training thread); a checkpoint save that fails raises a one-line `CheckpointError` -
 an asynchronous save's failure is picked up by `Checkpointer.check()` at the next step. Either way the loop stops,
@@ -37,6 +42,9 @@ errors after the first one are logged, not raised, so the user sees that one lin
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,11 +98,66 @@ def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, mesh: Mes
   return _STEP_CACHE[key]
 
 
-# ---- the trainer ------------------------------------------------------------------------------------------------
-class SFTTrainer:
-  """Supervised fine-tuning of a DiffusionGemma on prompt/completion data, resumable from its workdir.
+# ---- signals -----------------------------------------------------------------------------------------------------
+class _Interrupts:
+  """SIGINT and SIGTERM while a trainer works (installed in the main thread only, the previous handlers restored on
+  `restore()`).
 
-  `SFTTrainer(config, workdir).train()` builds the tokenizer, data, model and optimizer, restores the latest
+  `defer=True` (the training loop): the first signal only sets `signum`; the loop stops at the next step boundary,
+  where the parameters and the data iterator's state match, so the checkpoint saved there resumes bit for bit. A
+  second signal exits at once (`os._exit(128 + signum)`) after releasing the workdir lock: a checkpoint being
+  written then is orbax's temporary directory, never a complete-looking step. `defer=False` (setup, before the
+  first step: nothing to save yet): the first signal raises `KeyboardInterrupt` there.
+  """
+
+  def __init__(self, *, defer: bool, on_exit: Callable[[], Any] | None = None):
+    self.signum: int | None = None
+    self._defer = defer
+    self._on_exit = on_exit
+    self._previous: dict[int, Any] = {}
+
+  def install(self) -> _Interrupts:
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signum).name if self.signum is not None else "interrupt"
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del frame
+    if self.signum is None:
+      self.signum = signum
+      if not self._defer:
+        raise KeyboardInterrupt
+      return  # the loop stops at the next step boundary and says so in its one line
+    try:
+      sys.stderr.write(f"error: {signal.Signals(signum).name} again: exited at once; the last complete checkpoint "
+                       "is kept - rerun the same command to resume\n")
+      sys.stderr.flush()
+      if self._on_exit is not None:
+        self._on_exit()
+    finally:
+      os._exit(128 + signum)
+
+
+# ---- the trainer ------------------------------------------------------------------------------------------------
+class Trainer:
+  """Supervised fine-tuning of a DiffusionGemma on prompt/completion data, resumable from its workdir: the engine
+  of the CLI and of `hd.SFTTrainer` (the public Python API, `training.sft_api`).
+
+  `Trainer(config, workdir).train()` builds the tokenizer, data, model and optimizer, restores the latest
   checkpoint of `workdir/checkpoints` if there is one, trains to `train.steps`, evaluates every
   `train.eval_every` steps and at the end, and returns the last logged metrics.
 
@@ -103,6 +166,12 @@ class SFTTrainer:
     workdir: the run directory (created; checked, locked and compared with its stored config.json before anything
       is written, see `runs/workdir.py`; `close()` releases the lock).
     progress: show the tqdm bar (default: on process 0).
+
+  Attributes a caller may set before `train()`: `on_event(name, step, values)` is called with
+  ('log', step, the logged training metrics), ('step_end', step, {}) after every optimizer step and
+  ('evaluate', step, the evaluation metrics `eval/<run>/<metric>`) after each evaluation during training
+  (`hd.SFTTrainer` turns these into TRL/transformers callback calls); a true return of 'step_end' stops training
+  after that step (its checkpoint saved, no final evaluation). `tensorboard=False` writes metrics.jsonl only.
   """
 
   def __init__(self, config: run_lib.AnyConfig, workdir: str, *, progress: bool | None = None):
@@ -112,15 +181,25 @@ class SFTTrainer:
     shard_index, shard_count, host_batch = run_lib.data_shard(cfg, self.mesh)
     self.workdir = workdir = os.path.abspath(workdir)
     self._progress_enabled = progress
+    self.on_event: Callable[[str, int, Mapping[str, Any]], Any] | None = None
+    self.tensorboard = True
     # before anything is written: data paths, workdir writable, the workdir lock (process 0), resume
     # compatibility with the stored config.json; then config.json (versioned). See runs/workdir.py.
-    self._lock = workdir_lib.open_workdir(cfg, workdir)
+    # SIGINT/SIGTERM during setup: nothing to save yet - stop with one line, the lock released
+    self._lock = None
+    interrupts = _Interrupts(defer=False, on_exit=self._release_lock).install()
     try:
+      self._lock = workdir_lib.open_workdir(cfg, workdir)
       self._setup(cfg, workdir, shard_index, shard_count, host_batch)
-    except BaseException:
+    except BaseException as e:
       if self._lock is not None:
         self._lock.release()
+      if isinstance(e, KeyboardInterrupt):
+        raise TrainingError(f"{interrupts.name} before the first step; nothing was saved - rerun the same command "
+                            "to start") from None
       raise
+    finally:
+      interrupts.restore()
 
   def _setup(self, cfg: ExperimentConfig, workdir: str, shard_index: int, shard_count: int, host_batch: int) -> None:
     """The rest of `__init__` (run with the workdir locked): tokenizer, data, model, optimizer, train state."""
@@ -248,8 +327,14 @@ class SFTTrainer:
     total = cfg.steps
     step = self.step
     base_key = jax.random.key(self.seed)
-    iterator = self.train_data.iterator(self._data_state)
-    writer = MetricWriter(self.workdir, resume_step=step)
+    # SIGINT/SIGTERM from here on: stop at the next step boundary with a consistent checkpoint (see `_Interrupts`)
+    interrupts = _Interrupts(defer=True, on_exit=self._release_lock).install()
+    try:
+      iterator = self.train_data.iterator(self._data_state)
+      writer = MetricWriter(self.workdir, resume_step=step, tensorboard=self.tensorboard)
+    except BaseException:
+      interrupts.restore()
+      raise
     bar = Progress(total, step, enabled=self._progress_enabled)
     pending: list[dict[str, jax.Array]] = []  # the metrics of the steps since the last log step
     pending_data: list[Mapping[str, Any]] = []  # the data-iterator state before each of those steps
@@ -265,7 +350,7 @@ class SFTTrainer:
       bar.write(f"resuming from step {step} ({self.checkpointer.directory})")
     stopped = True  # by an exception, until the loop ends normally
     try:
-      while step < total:
+      while step < total and not interrupts.requested:
         self.checkpointer.check()  # a background save that failed stops the run now, not at the next save
         data_state = iterator.get_state()
         batch = next(iterator)
@@ -294,21 +379,55 @@ class SFTTrainer:
         if eval_now:
           self._evaluate_and_log(step, writer, bar)
           t_log = time.perf_counter()
-      self.checkpointer.wait()
-      if cfg.eval_at_end and step == total:
+        if self._event("step_end", step, {}) and step < total:  # a callback asked to stop: keep this step
+          if not save_now:
+            if pending and not bool(jax.device_get(healthy)):
+              self._stop_non_finite(step - len(pending), pending, pending_data, writer)
+            self.save(step, iterator.get_state())
+          break
+      if not interrupts.requested:
+        self.checkpointer.wait()
+      if cfg.eval_at_end and step == total and not interrupts.requested:
         report_path = os.path.join(self.workdir, run_lib.EVAL_DIR, eval_loop.REPORT_PATTERN.format(step=step))
         if not os.path.exists(report_path):
           self._evaluate_and_log(step, writer, bar)
+      if interrupts.requested:
+        self._stop_interrupted(step, pending, pending_data, healthy, iterator, writer, tokens, t_log,
+                               interrupts.name)
       stopped = False
-    except KeyboardInterrupt:
-      if pending and not bool(jax.device_get(healthy)):  # frozen since a non-finite step: save that state
-        self._stop_non_finite(step - len(pending), pending, pending_data, writer)
-      self.save(step, iterator.get_state(), wait=True)
-      raise TrainingError(f"interrupted at step {step}; saved a checkpoint - rerun the same command to resume")
+    except KeyboardInterrupt:  # raised by a caller's code (the signals themselves are handled by `interrupts`)
+      raise TrainingError(f"interrupted at step {step}; the last complete checkpoint is kept - rerun the same "
+                          "command to resume") from None
     finally:
       self._data_state = iterator.get_state()  # a later train() call continues from here
-      self._finish(bar, writer, quiet=stopped)
+      try:
+        self._finish(bar, writer, quiet=stopped)
+      finally:
+        interrupts.restore()
     return last
+
+  def _stop_interrupted(self, step: int, pending: list[dict[str, jax.Array]],
+                        pending_data: list[Mapping[str, Any]], healthy: jax.Array, iterator: Any,
+                        writer: MetricWriter, tokens: float, t_log: float, name: str) -> None:
+    """Stops at a step boundary after a signal: the steps since the last log line get their line, the state after
+    `step` steps is saved with the data iterator's state after `step` batches (unless that step is saved already or
+    no step ran), then a one-line `TrainingError`."""
+    if pending and not bool(jax.device_get(healthy)):  # frozen since a non-finite step: save that state
+      self._stop_non_finite(step - len(pending), pending, pending_data, writer)
+    if pending:  # every counted step has its metrics line
+      elapsed = max(time.perf_counter() - t_log, 1e-9)
+      self._log(step, pending, writer, tokens / elapsed, len(pending) / elapsed)
+    self.checkpointer.wait()
+    saved = step > 0 and step not in self.checkpointer.all_steps()
+    if saved:
+      self.save(step, iterator.get_state(), wait=True)
+    what = "saved a checkpoint" if saved else ("the checkpoint of this step is kept" if step > 0 else
+                                               "nothing was saved")
+    raise TrainingError(f"{name} at step {step}; {what} - rerun the same command to resume")
+
+  def _release_lock(self) -> None:
+    if self._lock is not None:
+      self._lock.release()
 
   def _finish(self, bar: Progress, writer: MetricWriter, *, quiet: bool) -> None:
     """Closes the bar and the metric files and waits for the last checkpoint to be written. `quiet` (training is
@@ -331,7 +450,12 @@ class SFTTrainer:
     out["tokens_per_s"] = tokens_per_s
     out["steps_per_s"] = steps_per_s
     writer.write(step, out, prefix="train/")
+    self._event("log", step, out)
     return out
+
+  def _event(self, name: str, step: int, values: Mapping[str, Any]) -> bool:
+    """Tells `on_event` (when set) that `name` happened at `step`; True: it asks training to stop."""
+    return self.on_event is not None and bool(self.on_event(name, step, values))
 
   def _evaluate_and_log(self, step: int, writer: MetricWriter, bar: Progress) -> None:
     try:
@@ -340,10 +464,13 @@ class SFTTrainer:
       where = f": {e.filename}" if e.filename else ""
       raise TrainingError(f"cannot write the evaluation report at step {step} ({e.strerror or e}{where}); stopped - "
                           f"the last complete checkpoint is kept, free disk space and rerun to resume") from None
+    logged: dict[str, Any] = {}
     for run in report["runs"]:
       values = {f"{run['name']}/{k}": v for k, v in run["metrics"].items() if isinstance(v, float)}
       values[f"{run['name']}/mean_denoising_steps"] = run["mean_denoising_steps"]
       writer.write(step, values, prefix="eval/")
+      logged.update({f"eval/{k}": v for k, v in values.items()})
+    self._event("evaluate", step, logged)
 
   def _stop_non_finite(self, first: int, pending: list[Mapping[str, jax.Array]],
                        pending_data: list[Mapping[str, Any]], writer: MetricWriter) -> None:
@@ -370,7 +497,7 @@ class SFTTrainer:
       if self._lock is not None:
         self._lock.release()  # the workdir lock (runs/workdir.py)
 
-  def __enter__(self) -> SFTTrainer:
+  def __enter__(self) -> Trainer:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -379,9 +506,9 @@ class SFTTrainer:
 
 def train(config: run_lib.AnyConfig, workdir: str, *,
           progress: bool | None = None) -> dict[str, float]:
-  """Builds an `SFTTrainer` and trains; returns the last logged metrics."""
-  with SFTTrainer(config, workdir, progress=progress) as trainer:
+  """Builds a `Trainer` and trains; returns the last logged metrics."""
+  with Trainer(config, workdir, progress=progress) as trainer:
     return trainer.train()
 
 
-__all__ = ["SFTTrainer", "train"]
+__all__ = ["Trainer", "train"]

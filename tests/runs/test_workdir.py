@@ -91,15 +91,15 @@ def test_train_releases_the_lock(trained):
 
 def test_second_trainer_on_one_workdir_refuses_naming_the_owner(run_copy):
   lock_path = os.path.join(run_copy, workdir_lib.LOCK_FILENAME)
-  with trainer_lib.SFTTrainer(small_config(), run_copy, progress=False):
+  with trainer_lib.Trainer(small_config(), run_copy, progress=False):
     owner = open(lock_path, encoding="utf-8").read()
     with pytest.raises(TrainingError, match=rf"in use by another training run \(pid {os.getpid()} on host "
                        rf"{socket.gethostname()}") as e:
-      trainer_lib.SFTTrainer(small_config(**{"train.seed": 1}), run_copy, progress=False)
+      trainer_lib.Trainer(small_config(**{"train.seed": 1}), run_copy, progress=False)
     _one_line(e)
     assert open(lock_path, encoding="utf-8").read() == owner  # the refused run left the owner's lock alone
   assert not os.path.exists(lock_path)  # released (and removed) by close()
-  with trainer_lib.SFTTrainer(small_config(), run_copy, progress=False) as t:  # free again
+  with trainer_lib.Trainer(small_config(), run_copy, progress=False) as t:  # free again
     assert t.step == 2
 
 
@@ -110,7 +110,7 @@ def test_failed_setup_releases_the_lock(tmp_path):
   config = small_config(**{"data.generator": "", "data.train_path": str(bad)})
   for _ in range(2):  # the second attempt would be refused if the first kept the lock
     with pytest.raises(DataError, match="bad.jsonl:1: invalid JSON"):
-      trainer_lib.SFTTrainer(config, str(tmp_path / "w"), progress=False)
+      trainer_lib.Trainer(config, str(tmp_path / "w"), progress=False)
   assert not os.path.exists(tmp_path / "w" / workdir_lib.LOCK_FILENAME)
 
 
@@ -160,7 +160,7 @@ def test_shape_changing_resume_is_refused_and_leaves_the_workdir_unchanged(run_c
   raw["optimizer"]["peak_lr"] = 1e-3  # safe changes: not listed among the refused ones
   raw["train"]["steps"] = 4
   with pytest.raises(ConfigError, match=r"has a checkpoint \(step 2\)") as e:
-    trainer_lib.SFTTrainer(raw, run_copy, progress=False)
+    trainer_lib.Trainer(raw, run_copy, progress=False)
   message = _one_line(e)
   assert "model.overrides.hidden_size: <unset> -> 64; optimizer.clip_norm: 1.0 -> null - " in message
   assert "train.steps" not in message and "peak_lr" not in message
@@ -171,7 +171,7 @@ def test_safe_change_resumes_with_a_warning_and_keeps_the_previous_config(run_co
   warnings = []
   monkeypatch.setattr(workdir_lib.logging, "warning", lambda msg, *args: warnings.append(msg % args))
   before = open(os.path.join(run_copy, config_lib.CONFIG_FILENAME), "rb").read()
-  with trainer_lib.SFTTrainer(small_config(**{"train.batch_size": 16, "train.steps": 4}), run_copy,
+  with trainer_lib.Trainer(small_config(**{"train.batch_size": 16, "train.steps": 4}), run_copy,
                               progress=False) as t:
     assert t.step == 2
     t.train()  # the resumed run really goes on
@@ -183,7 +183,7 @@ def test_safe_change_resumes_with_a_warning_and_keeps_the_previous_config(run_co
 
 
 def test_unchanged_rerun_writes_no_previous_config(run_copy):
-  with trainer_lib.SFTTrainer(small_config(), run_copy, progress=False):
+  with trainer_lib.Trainer(small_config(), run_copy, progress=False):
     pass
   assert not os.path.exists(os.path.join(run_copy, workdir_lib.PREV_CONFIG_FILENAME))
 
@@ -207,7 +207,7 @@ def test_missing_validation_file_fails_before_anything_is_written(tmp_path):
                            "data.validation_path": str(tmp_path / "nope.jsonl")})
   workdir = tmp_path / "w"
   with pytest.raises(DataError, match=r"data.validation_path=.*nope.jsonl: data file not found") as e:
-    trainer_lib.SFTTrainer(config, str(workdir), progress=False)
+    trainer_lib.Trainer(config, str(workdir), progress=False)
   _one_line(e)
   assert not workdir.exists()
 
@@ -218,7 +218,7 @@ def test_workdir_in_place_of_a_file_is_one_line(tmp_path, layout):
   file.write_text("x")
   workdir = file if layout == "workdir_is_a_file" else file / "run"
   with pytest.raises(ConfigError, match=rf"workdir {file}.* is a file") as e:
-    trainer_lib.SFTTrainer(small_config(), str(workdir), progress=False)
+    trainer_lib.Trainer(small_config(), str(workdir), progress=False)
   _one_line(e)
   assert file.read_text() == "x"
 
@@ -248,7 +248,7 @@ def test_read_only_workdir_is_one_line():
     config = small_config()
     with _unprivileged():
       with pytest.raises(ConfigError, match=rf"workdir {workdir} is not writable: permission denied") as e:
-        trainer_lib.SFTTrainer(config, workdir, progress=False)
+        trainer_lib.Trainer(config, workdir, progress=False)
     _one_line(e)
     assert os.listdir(workdir) == []
   finally:
