@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import os
-import random
 import types
 
 import pytest
@@ -18,17 +17,9 @@ import hackable_diffusion as hd
 from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, train_tokenizer
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.training.sft_api import FINAL_DIR, TrainOutput
+from training.test_sft_api import sort_records
 
 pytestmark = pytest.mark.usefixtures("shared_xla_cache")
-
-
-def sort_records(n: int, length: int, seed: int = 0) -> list[dict[str, str]]:
-  rng = random.Random(seed)
-  out = []
-  for _ in range(n):
-    s = "".join(rng.choice("0123456789") for _ in range(length))
-    out.append({"prompt": s, "completion": "".join(sorted(s))})
-  return out
 
 
 RECORDS = sort_records(64, 4, seed=2)
