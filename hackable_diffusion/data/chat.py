@@ -1,11 +1,13 @@
 """Chat messages and the checkpoint's jinja chat template, rendered as transformers' `apply_chat_template` does.
 
 A conversation is a list of messages `{'role': ..., 'content': ...}` with a role in `ROLES` and a content that is
-a string or a list of content parts (`{'type': 'text', 'text': ...}`, as in transformers). `ChatTemplate.render`
-compiles the template in the same sandboxed jinja2 environment as transformers 5 (`trim_blocks`, `lstrip_blocks`,
-the `loopcontrols` extension, a `{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII text) and passes it `messages`, `add_generation_prompt`, `tools`/`documents` (None) and the tokenizer's
-named special tokens (`bos_token`, `eos_token`, ...), so the text is exactly what transformers renders.
+a string or a list of content parts (`{'type': 'text', 'text': ...}`, `{'type': 'image', 'path': ...}`, as in
+transformers; the template writes an image part as its image placeholder, which data/image_prompts.py expands).
+`ChatTemplate.render` compiles the template in the same sandboxed jinja2 environment as transformers 5
+(`trim_blocks`, `lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` tag, `raise_exception`,
+`strftime_now`, a `tojson` that keeps non-ASCII text) and passes it `messages`, `add_generation_prompt`,
+`tools`/`documents` (None) and the tokenizer's named special tokens (`bos_token`, `eos_token`, ...), so the text is
+exactly what transformers renders.
 
 For SFT (data/sft.py) a chat record is split into the encoder prompt and the decoder completion by `split_chat`:
 
@@ -46,6 +48,7 @@ from hackable_diffusion.files import read_json
 ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
 CHAT_TEMPLATE_FILENAME = 'chat_template.jinja'
 CHAT_TEMPLATE_JSON_FILENAME = 'chat_template.json'
+IMAGE_PART_TYPE = 'image'  # a content part `{'type': 'image', 'path': ...}` (data/image_prompts.py)
 # Names a message's reasoning is passed under (transformers copies the first one found into the others).
 _REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')
 
@@ -95,6 +98,13 @@ def _reasoning(m: Mapping[str, Any]) -> Any:
 def _alias_reasoning(m: dict[str, Any]) -> dict[str, Any]:
   reasoning = _reasoning(m)
   return m if reasoning is None else {'thinking': reasoning, **m, 'reasoning_content': reasoning}
+
+
+def image_parts(messages: Sequence[Message]) -> list[tuple[int, Mapping[str, Any]]]:
+  """`(message index, part)` of every `{'type': 'image', ...}` content part, in conversation order (the order in
+  which transformers' processor pairs images with the template's image placeholders)."""
+  return [(i, p) for i, m in enumerate(messages) if isinstance(m.get('content'), list)
+          for p in m['content'] if isinstance(p, Mapping) and p.get('type') == IMAGE_PART_TYPE]
 
 
 def message_text(message: Mapping[str, Any]) -> str:
@@ -307,6 +317,6 @@ def split_chat(template: ChatTemplate, messages: Any, where: str, **kwargs: Any)
                    last_assistant=message_text(messages[-1]))
 
 
-__all__ = ['CHAT_TEMPLATE_FILENAME', 'ChatSplit', 'ChatTemplate', 'Message', 'ROLES', 'TOKENIZER_CHAT_TEMPLATE',
-           'chat_template_kind', 'format_prompt', 'message_text', 'read_chat_template', 'split_chat',
-           'validate_messages']
+__all__ = ['CHAT_TEMPLATE_FILENAME', 'ChatSplit', 'ChatTemplate', 'IMAGE_PART_TYPE', 'Message', 'ROLES',
+           'TOKENIZER_CHAT_TEMPLATE', 'chat_template_kind', 'format_prompt', 'image_parts', 'message_text',
+           'read_chat_template', 'split_chat', 'validate_messages']

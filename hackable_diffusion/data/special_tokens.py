@@ -7,12 +7,15 @@ backend's own special id, else the generation config's `<name>_token_id`. The ge
 `bos_token_id`/`pad_token_id` must equal the tokenizer's and its `eos_token_id` (an id or a list, e.g. Gemma 4's
 `[1, 106]`: `<eos>` and `<turn|>`) must contain the tokenizer's eos. A mismatch is a one-line `CheckpointError`
 naming the file, key and ids. Extra eos ids of the generation config are `eos_ids` (decode stops at any of them).
+
+`resolve_image_tokens` finds the tokens an image takes in a prompt (Gemma 4 names them `image_token` '<|image|>',
+`boi_token` '<|image>' and `eoi_token` '<image|>' in tokenizer_config.json); data/image_prompts.py uses them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hackable_diffusion.data.tokenizer_backends import Backend
@@ -20,6 +23,7 @@ from hackable_diffusion.data.tokenizer_files import GENERATION_CONFIG_FILENAME, 
 from hackable_diffusion.errors import CheckpointError
 
 SPECIAL_TOKEN_NAMES = ('bos', 'eos', 'unk', 'pad')  # named special tokens whose ids the tokenizer exposes
+IMAGE_TOKEN_KEYS = ('image_token', 'boi_token', 'eoi_token')  # an image's placeholder, begin and end tokens
 
 
 def token_content(value: Any) -> str | None:
@@ -105,3 +109,48 @@ def _check_generation_config(gen: Mapping[str, Any], path: str, size: int, ids: 
                           f'{tokens.get("eos_token")!r} (id {ids["eos"]})')
   first = [ids['eos']] if ids['eos'] >= 0 else []
   return tuple(dict.fromkeys(first + listed))
+
+
+# ------------------------------------------------------------------------------------------ image tokens
+@dataclasses.dataclass(frozen=True)
+class ImageTokens:
+  """The tokens of an image in a prompt: `boi`, then `image` once per soft token, then `eoi` (transformers'
+  `Gemma4Processor.replace_image_token`). A prompt marks where an image goes with one `image` token."""
+
+  image: str
+  boi: str
+  eoi: str
+  image_id: int
+  boi_id: int
+  eoi_id: int
+
+  def expansion(self, num_soft_tokens: int) -> str:
+    """The text an image's placeholder becomes."""
+    return self.boi + self.image * num_soft_tokens + self.eoi
+
+  def check_model_ids(self, *, image_token_id: int | None, boi_token_id: int | None, eoi_token_id: int | None,
+                      where: str = 'the model config') -> None:
+    """Raises a one-line `CheckpointError` when a model config's image token ids differ from the tokenizer's."""
+    for name, model_id, ours, token in (('image_token_id', image_token_id, self.image_id, self.image),
+                                        ('boi_token_id', boi_token_id, self.boi_id, self.boi),
+                                        ('eoi_token_id', eoi_token_id, self.eoi_id, self.eoi)):
+      if model_id is not None and int(model_id) != ours:
+        raise CheckpointError(f'{where}: {name} {model_id} does not match the tokenizer\'s {token!r} (id {ours})')
+
+
+def resolve_image_tokens(tokens: Mapping[str, str], encode: Callable[[str], list[int]],
+                         where: str = TOKENIZER_CONFIG_FILENAME) -> ImageTokens:
+  """The image tokens among a tokenizer's named special tokens; `encode` (special tokens parsed) must give each
+  one id. A one-line `CheckpointError` naming `where` and the key when one is missing or not a single token."""
+  found: dict[str, tuple[str, int]] = {}
+  for key in IMAGE_TOKEN_KEYS:
+    token = tokens.get(key)
+    if not token:
+      raise CheckpointError(f'{where}: no {key} (the tokenizer has no image tokens, so it cannot take images; '
+                            f'expected {", ".join(IMAGE_TOKEN_KEYS)})')
+    ids = encode(token)
+    if len(ids) != 1:
+      raise CheckpointError(f'{where}: {key} {token!r} is not a single token of the vocabulary (encodes to {ids})')
+    found[key] = (token, ids[0])
+  (image, image_id), (boi, boi_id), (eoi, eoi_id) = (found[k] for k in IMAGE_TOKEN_KEYS)
+  return ImageTokens(image=image, boi=boi, eoi=eoi, image_id=image_id, boi_id=boi_id, eoi_id=eoi_id)

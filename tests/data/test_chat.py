@@ -1,6 +1,7 @@
 """tokenizer.json tokenizers, the checkpoint's chat template (vs transformers' apply_chat_template), chat SFT data."""
 
 import json
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -76,11 +77,12 @@ CONVERSATIONS = [  # held out: none of these texts is in CORPUS
 ]
 
 
-def _bytelevel_bpe() -> tokenizers.Tokenizer:
+def bytelevel_bpe(specials: Sequence[str] = SPECIALS) -> tokenizers.Tokenizer:
+  """A byte-level BPE tokenizer trained on CORPUS (offline), with `specials` as its first ids."""
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials),
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                       show_progress=False))
   return tok
@@ -112,7 +114,7 @@ def write_checkpoint_dir(path, raw: tokenizers.Tokenizer, template: str = TEMPLA
 
 @pytest.fixture(scope='module', params=['bpe', 'wordlevel'])
 def checkpoint(request, tmp_path_factory):
-  raw = _bytelevel_bpe() if request.param == 'bpe' else _wordlevel()
+  raw = bytelevel_bpe() if request.param == 'bpe' else _wordlevel()
   return write_checkpoint_dir(tmp_path_factory.mktemp(request.param), raw)
 
 
@@ -180,7 +182,7 @@ def test_apply_chat_template_matches_transformers(checkpoint, conversation, add_
 
 def test_tokenizer_object_in_memory_matches_transformers():
   from transformers import PreTrainedTokenizerFast
-  raw = _bytelevel_bpe()
+  raw = bytelevel_bpe()
   hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token='<bos>', eos_token='<eos>', pad_token='<pad>',
                                unk_token='<unk>')
   hf.chat_template = TEMPLATE
