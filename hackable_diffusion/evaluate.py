@@ -11,6 +11,8 @@ report exists (training's own, at the end of a finished run) it is kept and this
 workdir/eval/evaluate-N/ unless --replace. The output directory is checked for writability first: a read-only run
 is a one-line error before evaluating (pass --out=DIR to write elsewhere). A run's config.json that names code
 ('module:attribute') is refused unless --trust_remote_code (docs/reliability.md, "Trust model").
+On a GPU, JAX may reserve 0.95 of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, set to 0.95 unless already set;
+JAX's own default 0.75 leaves a quarter of the card unused); set the variable to choose another fraction.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ piece between the placeholders (no bos), is pinned: those tokens never change (`
 the canvas, the sampler may change them). Positions after TEXT, up to whole canvases, are free. It replaces the
 task's start canvas; the task's allowed tokens still apply (pinned tokens are kept even if not allowed).
 
-The completions go to stdout (as the task renders them), statistics to stderr.
+The completions go to stdout (as the task renders them), statistics to stderr. On a GPU, JAX may reserve 0.95 of
+its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, set to 0.95 unless already set); set the variable to change it.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ _PLACEHOLDER = flags.DEFINE_string("placeholder", "_", "The character of --seed_
 _PINNED = flags.DEFINE_bool("pinned", True, "Pin the non-placeholder tokens of --seed_canvas (false: they only "
                             "start the canvas).")
 _LIVE = flags.DEFINE_bool("live", False, "Print the argmax canvas after every denoising step.")
+_MOE_IMPL = flags.DEFINE_enum("moe_impl", None, ["auto", "tiled", "dense", "ragged", "grouped", "expert_parallel"],
+                              "How the MoE experts run (ModelConfig.moe_impl). Default: 'auto' for --checkpoint "
+                              "(grouped matmuls on a GPU or TPU, the tiled scan on a CPU); a --workdir keeps its "
+                              "run's model.moe_impl unless this is given (the values agree to float rounding).")
 
 
 def _sampling_config(run_cfg: Any, model_config: Any) -> Any:
@@ -111,8 +116,10 @@ def _run_config() -> Any:
   if not os.path.isdir(_WORKDIR.value):
     raise ConfigError(f"{_WORKDIR.value}: no such workdir")
   trust = cli.trust_requested()
-  return ExperimentConfig.from_config_dict(cli.workdir_config(_WORKDIR.value, trust_remote_code=trust),
-                                                   trust_remote_code=trust)
+  config = cli.workdir_config(_WORKDIR.value, trust_remote_code=trust)
+  if _MOE_IMPL.value:
+    cli.set_model_overrides(config, {"moe_impl": _MOE_IMPL.value})
+  return ExperimentConfig.from_config_dict(config, trust_remote_code=trust)
 
 
 def _load(run_cfg: Any) -> tuple[Any, Any]:
@@ -128,7 +135,7 @@ def _load(run_cfg: Any) -> tuple[Any, Any]:
     return run.model, tokenizer
   from hackable_diffusion.interop.hf import load_pretrained
 
-  model = load_pretrained(_CHECKPOINT.value, dtype=_DTYPE.value)
+  model = load_pretrained(_CHECKPOINT.value, dtype=_DTYPE.value, moe_impl=_MOE_IMPL.value or "auto")
   print(f"loaded {_CHECKPOINT.value} ({model.config.param_dtype})", file=sys.stderr)
   from hackable_diffusion.hub import resolve_model_path
 

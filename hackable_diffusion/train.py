@@ -6,6 +6,8 @@
 A bare config name (`--config=tiny.py`) is looked up in configs/. Rerunning the same command resumes from the
 latest checkpoint of the workdir. The workdir gets config.json, tokenizer.model, checkpoints/, metrics.jsonl,
 tensorboard/ and eval/ (see docs/training.md).
+On a GPU, JAX may reserve 0.95 of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION, set to 0.95 unless already set;
+JAX's own default 0.75 leaves a quarter of the card unused); set the variable to choose another fraction.
 """
 
 from __future__ import annotations

@@ -190,3 +190,18 @@ def test_infilling_keeps_the_pinned_text(sudoku_run, sample_cli, capsys):
              "--steps=4")
   out = capsys.readouterr().out.strip()
   assert out.startswith("1" * 40), out  # a free position could be sampled as EOS: only the pinned start is sure
+
+
+def test_moe_impl_flag_reaches_the_model(sudoku_run, sample_cli, monkeypatch):
+  """--moe_impl sets the model's `moe_impl` for a --workdir (default: the run's own)."""
+  seen = []
+
+  def spy(workdir, cfg, step=None, **kwargs):
+    seen.append(run_lib.build_model_config(cfg, run_lib.load_run_tokenizer(workdir)).moe_impl)
+    raise KeyboardInterrupt  # stop before loading the weights
+
+  monkeypatch.setattr(run_lib, "load_run", spy)
+  for args in ((), ("--moe_impl=dense",)):
+    with pytest.raises(KeyboardInterrupt):
+      sample_cli(f"--workdir={sudoku_run}", "--prompt=" + "0" * 81, *args)
+  assert seen == ["auto", "dense"]

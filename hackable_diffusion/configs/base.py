@@ -96,6 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
       eval_every=0,  # 0: evaluate at the end only
       eval_at_end=True,
       async_checkpointing=True,
+      freeze_router="auto",  # MoE routers kept as loaded when fine-tuning a checkpoint in full ('auto'), or True/False
   ))
 
   # Accuracy against the denoising-step budget, and with early stopping.

@@ -1,8 +1,9 @@
 """SFT records tokenized into fixed-shape arrays (`SFTRecords`, built by `load_records`) and the batches gathered
 from them (`SFTBatch`).
 
-Records are read by data/text_records.py and tokenized once at load time (the datasets this targets are small: up
-to a few hundred thousand short records) into fixed-size numpy arrays:
+Records are streamed from data/text_records.py and tokenized once at load time, `CHUNK_RECORDS` at a time, into
+fixed-size numpy arrays; the texts are not kept (an index of byte offsets reads one back when asked, `RecordTexts`),
+so memory is the arrays plus 16 bytes a record:
 
 * prompt: `[bos] + tokens(prompt text)`, LEFT-padded to `max_prompt_length` (the model takes left-padded prompts
   with a 2-D attention mask, see docs/design.md, "Model"); bos is not added twice when the prompt text already
@@ -29,7 +30,8 @@ tokens are context. What the two texts are:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +42,7 @@ from flax import struct
 
 from hackable_diffusion.data.chat import ChatTemplate, format_prompt, split_chat
 from hackable_diffusion.data.sft_data_config import SFTDataConfig
-from hackable_diffusion.data.text_records import TextRecord, read_records
+from hackable_diffusion.data.text_records import RecordFields, RecordIndex, RecordTexts, TextRecord, iter_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import DataError
 
@@ -74,20 +76,26 @@ class SFTBatch:
 
 
 # ------------------------------------------------------------------------------------------ records
+def _select(texts: Sequence[Any], idx: np.ndarray) -> Sequence[Any]:
+  return texts.select(idx) if isinstance(texts, RecordTexts) else [texts[i] for i in idx]
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTRecords:
   """All records of a dataset, tokenized: arrays of R rows plus the raw texts (for evaluation).
 
-  `sources[i]` is `(file, line_number)` of record i; `stats` counts skipped/truncated records.
+  `sources[i]` is `(file, line_number)` of record i; `stats` counts skipped/truncated records. `prompts`,
+  `completions` and `sources` are read from the data files when indexed (`RecordTexts`: an index of offsets is
+  kept, not the texts), so memory grows with the token arrays only.
   """
 
   prompt_ids: np.ndarray        # [R, P] int32, left-padded
   prompt_lengths: np.ndarray    # [R] int32
   completion_ids: np.ndarray    # [R, N*C] int32, right-padded
   completion_lengths: np.ndarray  # [R] int32 (eos included)
-  prompts: list[str]            # raw prompt texts (before the chat template)
-  completions: list[str]        # raw completion texts
-  sources: list[tuple[str, int]]
+  prompts: Sequence[str]        # raw prompt texts (before the chat template)
+  completions: Sequence[str]    # raw completion texts
+  sources: Sequence[tuple[str, int]]
   stats: dict[str, int]
   completion_pinned: np.ndarray | None = None  # [R, N*C] bool when `pinned_field` is set
 
@@ -115,6 +123,13 @@ class SFTRecords:
         completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
     )
 
+  def text_record(self, i: int) -> TextRecord:
+    """Record `i` as read from its data file (its texts and other JSON fields, e.g. Sudoku's `givens`)."""
+    if isinstance(self.prompts, RecordTexts):
+      return self.prompts.index.record(i)
+    return TextRecord(prompt=self.prompts[i], completion=self.completions[i], pinned=None, source=self.sources[i],
+                      fields={})
+
   def select(self, indices) -> 'SFTRecords':
     """A subset of the records (e.g. one host's shard)."""
     idx = np.asarray(indices, dtype=np.int64)
@@ -123,8 +138,8 @@ class SFTRecords:
         prompt_ids=self.prompt_ids[idx], prompt_lengths=self.prompt_lengths[idx],
         completion_ids=self.completion_ids[idx], completion_lengths=self.completion_lengths[idx],
         completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
-        prompts=[self.prompts[i] for i in idx], completions=[self.completions[i] for i in idx],
-        sources=[self.sources[i] for i in idx])
+        prompts=_select(self.prompts, idx), completions=_select(self.completions, idx),
+        sources=_select(self.sources, idx))
 
 
 def _left_mask(lengths: np.ndarray, width: int) -> np.ndarray:
@@ -145,15 +160,16 @@ def _jinja_template(config: SFTDataConfig, tokenizer: Tokenizer) -> ChatTemplate
 
 
 def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: Tokenizer, stats: dict[str, int]
-                  ) -> tuple[list[TextRecord], list[str], list[str], list[bool]]:
-  """(kept records, prompt texts, completion texts, whether each prompt text is a rendered jinja template).
+                  ) -> tuple[list[int], list[str], list[str], list[bool]]:
+  """(positions of the kept records, prompt texts, completion texts, whether each prompt text is a rendered jinja
+  template).
 
   A record whose chat template fails (it raised, or no prompt/completion split exists) is a `DataError` naming file
   and line, or skipped under `on_malformed='skip'`; a missing template is always an error."""
   kind = config.chat_template_kind
   template = _jinja_template(config, tokenizer)
   kept, prompts, completions, templated = [], [], [], []
-  for r in records:
+  for position, r in enumerate(records):
     where = f'{r.source[0]}:{r.source[1]}'
     needs_jinja = r.messages is not None or kind in ('jinja', 'tokenizer')
     if needs_jinja and template is None:
@@ -175,7 +191,7 @@ def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: T
         raise DataError(f"{e}; set on_malformed='skip' to skip such records") from None
       stats['skipped_malformed'] += 1
       continue
-    kept.append(r)
+    kept.append(position)
     prompts.append(prompt)
     completions.append(completion)
     templated.append(needs_jinja)
@@ -193,55 +209,61 @@ def _encode(tokenizer: Tokenizer, texts: list[str], parse_special: list[bool]) -
   return out
 
 
-def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
-                 tokenizer: Tokenizer) -> SFTRecords:
-  """Reads and tokenizes every record of `path` (default: `config.path`) into an `SFTRecords`.
+# records read, templated and tokenized this many at a time: memory holds one chunk's texts, not the dataset's
+CHUNK_RECORDS = 1024
 
-  Raises `DataError` (one line, naming file and line) for a missing or empty file, and, depending
-  on `config.on_malformed` / `config.on_overlength`, for malformed or over-long records.
-  """
-  if path is not None:
-    config = dataclasses.replace(config, path=path)
-  stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0, 'unk_tokens': 0}
-  read_all: list[TextRecord] = []
-  for p in config.paths:
-    read = read_records(p, prompt_field=config.prompt_field, completion_field=config.completion_field,
-                        pinned_field=config.pinned_field, on_malformed=config.on_malformed, stats=stats,
-                        messages_field=config.messages_field)
-    if not read:
-      what = 'no records' if not stats['skipped_malformed'] else 'no valid records'
-      raise DataError(f'{p}: {what} (empty file or only blank/skipped lines)')
-    read_all += read
 
-  records, prompt_texts, completion_texts, templated = _record_texts(read_all, config, tokenizer, stats)
-  if not records:
-    raise DataError(f'{", ".join(config.paths)}: no valid records (every record was skipped)')
-  prompts = [r.prompt for r in records]
-  completions = [r.completion for r in records]
+def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+  chunk: list[Any] = []
+  for item in items:
+    chunk.append(item)
+    if len(chunk) == size:
+      yield chunk
+      chunk = []
+  if chunk:
+    yield chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """The token arrays (and the index) of one chunk of records."""
+
+  prompt_ids: np.ndarray
+  completion_ids: np.ndarray
+  prompt_lengths: np.ndarray
+  completion_lengths: np.ndarray
+  completion_pinned: np.ndarray | None
+  file_ids: np.ndarray
+  offsets: np.ndarray
+  linenos: np.ndarray
+
+
+def _tokenize_chunk(chunk: list[tuple[int, TextRecord]], file_id: int, config: SFTDataConfig, tokenizer: Tokenizer,
+                    stats: dict[str, int], first_unk: list[str]) -> _Rows:
+  """Templates and tokenizes one chunk of `(offset, record)` into padded rows (errors as `load_records` says)."""
+  records = [r for _, r in chunk]
+  kept, prompt_texts, completion_texts, templated = _record_texts(records, config, tokenizer, stats)
+  records = [records[k] for k in kept]
   pins = [r.pinned for r in records]
   sources = [r.source for r in records]
   prompt_tokens = _encode(tokenizer, prompt_texts, templated)
   completion_tokens = _encode(tokenizer, completion_texts, [r.messages is not None for r in records])
 
-  num = len(prompts)
+  num = len(records)
   P, cap = config.max_prompt_length, config.completion_capacity
   pad = tokenizer.pad_id
-  if pad < 0:
-    raise ValueError('the tokenizer has no pad id; SFT batches need one')
-  if (config.add_bos and tokenizer.bos_id < 0) or (config.append_eos and tokenizer.eos_id < 0):
-    raise ValueError('add_bos/append_eos need a tokenizer with bos/eos ids')
   prompt_ids = np.full((num, P), pad, np.int32)
   completion_ids = np.full((num, cap), pad, np.int32)
   prompt_lengths = np.zeros((num,), np.int32)
   completion_lengths = np.zeros((num,), np.int32)
   completion_pinned = np.zeros((num, cap), bool) if config.pinned_field is not None else None
   truncate = config.on_overlength == 'truncate'
-  unk, first_unk = tokenizer.unk_id, ''
+  unk = tokenizer.unk_id
   for i, (pt, ct) in enumerate(zip(prompt_tokens, completion_tokens)):
     unknown = pt.count(unk) + ct.count(unk) if unk >= 0 else 0
     if unknown:  # characters the tokenizer does not know (a run of them is one unk token): counted and logged
       stats['unk_tokens'] += unknown
-      first_unk = first_unk or '{}:{}'.format(*sources[i])
+      first_unk[0] = first_unk[0] or '{}:{}'.format(*sources[i])
     if completion_pinned is not None:
       if len(pins[i]) != len(ct):
         f, n = sources[i]
@@ -284,12 +306,58 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
     prompt_lengths[i] = len(pt)
     completion_lengths[i] = len(ct)
 
+  return _Rows(prompt_ids=prompt_ids, completion_ids=completion_ids, prompt_lengths=prompt_lengths,
+               completion_lengths=completion_lengths, completion_pinned=completion_pinned,
+               file_ids=np.full((num,), file_id, np.int32),
+               offsets=np.asarray([chunk[k][0] for k in kept], np.int64).reshape(num),
+               linenos=np.asarray([n for _, n in sources], np.int32).reshape(num))
+
+
+def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
+                 tokenizer: Tokenizer) -> SFTRecords:
+  """Reads and tokenizes every record of `path` (default: `config.path`) into an `SFTRecords`.
+
+  The files are streamed (`CHUNK_RECORDS` records at a time): memory holds the token arrays and an index of byte
+  offsets, never every record's texts. Raises `DataError` (one line, naming file and line) for a missing or empty
+  file, and, depending on `config.on_malformed` / `config.on_overlength`, for malformed or over-long records.
+  """
+  if path is not None:
+    config = dataclasses.replace(config, path=path)
+  if tokenizer.pad_id < 0:
+    raise ValueError('the tokenizer has no pad id; SFT batches need one')
+  if (config.add_bos and tokenizer.bos_id < 0) or (config.append_eos and tokenizer.eos_id < 0):
+    raise ValueError('add_bos/append_eos need a tokenizer with bos/eos ids')
+  stats = {'skipped_malformed': 0, 'truncated_prompts': 0, 'truncated_completions': 0, 'unk_tokens': 0}
+  fields = RecordFields(prompt_field=config.prompt_field, completion_field=config.completion_field,
+                        pinned_field=config.pinned_field, on_malformed=config.on_malformed,
+                        messages_field=config.messages_field)
+  rows: list[_Rows] = []
+  first_unk = ['']
+  for file_id, p in enumerate(config.paths):
+    read = 0
+    for chunk in _chunks(iter_records(p, fields, stats), CHUNK_RECORDS):
+      read += len(chunk)
+      rows.append(_tokenize_chunk(chunk, file_id, config, tokenizer, stats, first_unk))
+      del chunk  # before the next one is read
+    if not read:
+      what = 'no records' if not stats['skipped_malformed'] else 'no valid records'
+      raise DataError(f'{p}: {what} (empty file or only blank/skipped lines)')
+  num = sum(len(r.offsets) for r in rows)
+  if not num:
+    raise DataError(f'{", ".join(config.paths)}: no valid records (every record was skipped)')
+
+  def joined(name: str) -> np.ndarray:
+    return np.concatenate([getattr(r, name) for r in rows])
+
   msg = (f'SFT data {", ".join(config.paths)}: {num} records; skipped_malformed='
          f'{stats["skipped_malformed"]}, truncated_prompts={stats["truncated_prompts"]}, '
          f'truncated_completions={stats["truncated_completions"]}, unk_tokens={stats["unk_tokens"]}'
-         + (f' (characters the tokenizer does not know, first at {first_unk})' if first_unk else ''))
+         + (f' (characters the tokenizer does not know, first at {first_unk[0]})' if first_unk[0] else ''))
   (logging.warning if any(stats.values()) else logging.info)(msg)
-  return SFTRecords(prompt_ids=prompt_ids, prompt_lengths=prompt_lengths,
-                    completion_ids=completion_ids, completion_lengths=completion_lengths,
-                    prompts=prompts, completions=completions, sources=sources, stats=stats,
-                    completion_pinned=completion_pinned)
+  index = RecordIndex(paths=tuple(os.fspath(p) for p in config.paths), file_ids=joined('file_ids'),
+                      offsets=joined('offsets'), linenos=joined('linenos'), fields=fields)
+  return SFTRecords(prompt_ids=joined('prompt_ids'), prompt_lengths=joined('prompt_lengths'),
+                    completion_ids=joined('completion_ids'), completion_lengths=joined('completion_lengths'),
+                    prompts=RecordTexts(index, 'prompt'), completions=RecordTexts(index, 'completion'),
+                    sources=RecordTexts(index, 'source'), stats=stats,
+                    completion_pinned=None if config.pinned_field is None else joined('completion_pinned'))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,10 +35,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from hackable_diffusion import sharding as sharding_lib
-from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records, read_records
+from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
-from hackable_diffusion.files import write_json
+from hackable_diffusion.files import check_not_link, makedirs_no_link, write_figure, write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
@@ -66,18 +68,10 @@ def load_eval_data(path: str, data_config: SFTDataConfig, tokenizer: Tokenizer, 
   records = load_records(path, data_config, tokenizer)
   n = min(num_examples, len(records))
   records = records.select(np.arange(n))
-  fields: dict[tuple[str, int], Mapping[str, Any]] = {}
-  for file in dict.fromkeys(file for file, _ in records.sources):
-    fields.update({r.source: r.fields for r in read_records(
-        file, prompt_field=data_config.prompt_field, completion_field=data_config.completion_field,
-        messages_field=data_config.messages_field, on_malformed="skip")})
   examples = []
   for i in range(n):
-    if records.sources[i] not in fields:
-      file, lineno = records.sources[i]
-      raise DataError(f"{file}:{lineno}: changed while reading")
-    examples.append(EvalRecord(prompt=records.prompts[i], completion=records.completions[i],
-                               fields=dict(fields[records.sources[i]])))
+    text = records.text_record(i)  # read again from its line (a DataError if the file changed meanwhile)
+    examples.append(EvalRecord(prompt=text.prompt, completion=text.completion, fields=dict(text.fields)))
   return EvalData(records=records, examples=examples)
 
 
@@ -360,14 +354,27 @@ def _json_clean(x: Any) -> Any:
 def write_report(report: dict[str, Any], out_dir: str, task: Task | None = None) -> str:
   """Writes `report_step_{N}.json` and `accuracy_vs_steps_step_{N}.png` into `out_dir`, and
   `canvas_step_{N}.png` when the report has a trajectory and `task` can draw it; returns the JSON path."""
-  os.makedirs(out_dir, exist_ok=True)
+  makedirs_no_link(out_dir)
   step = report.get("step") or 0
   path = os.path.join(out_dir, REPORT_PATTERN.format(step=step))
   write_json(path, _json_clean(report), sort_keys=False)
   plot_report(report, os.path.join(out_dir, PLOT_PATTERN.format(step=step)))
   if task is not None and report.get("trajectory"):
-    task.plot_trajectory(report["trajectory"], os.path.join(out_dir, CANVAS_PLOT_PATTERN.format(step=step)))
+    _plot_trajectory(task, report["trajectory"], os.path.join(out_dir, CANVAS_PLOT_PATTERN.format(step=step)))
   return path
+
+
+def _plot_trajectory(task: Task, trajectory: Any, path: str) -> None:
+  """`task.plot_trajectory` into a private fresh directory beside `path`, then renamed over it: the task's own
+  writer never meets a symbolic link planted at `path` (refused, one line)."""
+  check_not_link(path)
+  private = tempfile.mkdtemp(prefix=".plot-", dir=os.path.dirname(path))  # 0700, a new name
+  try:
+    tmp = os.path.join(private, os.path.basename(path))
+    if task.plot_trajectory(trajectory, tmp) is not None and os.path.exists(tmp):
+      os.replace(tmp, path)
+  finally:
+    shutil.rmtree(private, ignore_errors=True)
 
 
 def plot_report(report: dict[str, Any], path: str) -> str:
@@ -404,8 +411,7 @@ def plot_report(report: dict[str, Any], path: str) -> str:
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
-  return path
+  return write_figure(fig, path)
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

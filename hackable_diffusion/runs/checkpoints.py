@@ -98,6 +98,8 @@ _QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
 # After a failed save, orbax abandons the save's other writes; its writer threads may still be writing into the
 # step's temporary directory. close() waits this long for them, at most (they finish within milliseconds).
 ABANDONED_WRITES_WAIT_S = 30.0
+# A latest-step restore that loses its step to rotation reads the then-newest one, at most this many more times.
+ROTATION_RETRIES = 2
 
 
 class _OrbaxFailureFilter(py_logging.Filter):
@@ -178,6 +180,14 @@ def step_to_restore(directory: str, step: int | None) -> int:
   if not os.path.isdir(directory):
     raise CheckpointError(f"{directory}: no checkpoint directory (has this workdir been trained?)")
   return pick_step(directory, steps_on_disk(directory), step)
+
+
+def rotated_out_message(directory: str, step: int, newest: list[int]) -> str:
+  """The one line for checkpoint `step` that left `directory` while it was being read (rotation by the run writing
+  it keeps only its latest checkpoints): the checkpoint is fine, it is just gone."""
+  now = f"; the newest is now step {newest[-1]}" if newest else ""
+  return (f"{directory}/{step}: rotated out while being read (the run writing this workdir keeps only its latest "
+          f"checkpoints){now} - re-run to read the newest (or set train.keep_checkpoints higher to keep more)")
 
 
 def pick_step(directory: str, steps: list[int], step: int | None) -> int:
@@ -341,7 +351,6 @@ class Checkpointer:
   def restore(self, target: State, step: int | None = None) -> tuple[State, dict[str, Any]]:
     """Restores the whole train state (`target`: arrays or ShapeDtypeStructs of the same structure, returned as
     the same dataclass with the restored values; `target.rest=None` skips the non-trainable variables)."""
-    step = self._check_step(step)
     target = abstract_like(target)
     items = dict(
         params=ocp.args.StandardRestore(target.params),
@@ -358,7 +367,6 @@ class Checkpointer:
 
   def restore_variables(self, params: Any, rest: Any, step: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """Restores only the model variables (no optimizer state): `(params, rest, meta)`; `rest=None` skips them."""
-    step = self._check_step(step)
     items = dict(params=ocp.args.StandardRestore(abstract_like(params)), meta=ocp.args.JsonRestore())
     if rest is not None:
       items["rest"] = ocp.args.StandardRestore(abstract_like(rest))
@@ -366,20 +374,31 @@ class Checkpointer:
     return out.params, (out.rest if rest is not None else None), dict(out.meta)
 
   def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-    step = self._check_step(step)
     return dict(self._restore(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
-  def _restore(self, step: int, args: ocp.args.Composite):
-    self._restoring = True
-    try:
-      return self._manager.restore(step, args=args)
-    except Exception as e:  # noqa: BLE001 - a damaged or mismatched checkpoint; report one line
-      self._restore_failed = True
-      raise CheckpointError(
-          f"{self.directory}/{step}: cannot restore this checkpoint ({one_line_error(e)}); it is damaged or was "
-          f"written by a different model/config - delete it to fall back to an earlier step") from None
-    finally:
-      self._restoring = False
+  def _restore(self, requested: int | None, args: ocp.args.Composite):
+    """Restores step `requested` (None: the latest). A reader can race the run that writes this directory: a step
+    rotated out (`max_to_keep`) while being read is not damaged. For `requested=None` in a single-process job the
+    newest step is read instead (at most `ROTATION_RETRIES` times); otherwise a one-line 'rotated out, re-run'."""
+    step = self._check_step(requested)
+    for attempt in range(ROTATION_RETRIES + 1):
+      self._restoring = True
+      try:
+        return self._manager.restore(step, args=args)
+      except Exception as e:  # noqa: BLE001 - a damaged or mismatched checkpoint, or one rotated out; one line
+        self._restore_failed = True
+        if step in self.complete_steps():
+          raise CheckpointError(
+              f"{self.directory}/{step}: cannot restore this checkpoint ({one_line_error(e)}); it is damaged or was "
+              f"written by a different model/config - delete it to fall back to an earlier step") from None
+        newest = self.complete_steps()
+        if requested is not None or jax.process_count() > 1 or not newest or attempt == ROTATION_RETRIES:
+          raise CheckpointError(rotated_out_message(self.directory, step, newest)) from None
+        self._manager.reload()  # orbax lists the steps it saw when opened: read the directory again
+        step = newest[-1]
+      finally:
+        self._restoring = False
+    raise AssertionError("unreachable")
 
   # ---- lifecycle ----------------------------------------------------------------------------------------------
   def wait(self) -> None:
@@ -442,5 +461,5 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "TrainStateLike", "abstract_like", "one_line_error", "pick_step",
-           "step_to_restore", "steps_on_disk"]
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "ROTATION_RETRIES", "TrainStateLike", "abstract_like", "one_line_error",
+           "pick_step", "rotated_out_message", "step_to_restore", "steps_on_disk"]

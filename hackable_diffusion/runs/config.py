@@ -231,7 +231,13 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
-  """The loop. Intervals count optimizer steps; 0 disables periodic evaluation (it still runs at the end)."""
+  """The loop. Intervals count optimizer steps; 0 disables periodic evaluation (it still runs at the end).
+
+  freeze_router: keep every MoE router (its projection, scale and per-expert scales) as it is. 'auto': frozen when
+  fine-tuning a pretrained checkpoint in full (`model.checkpoint` set, no `lora`), trained from a fresh init (a
+  random router must learn). A few thousand SFT steps on a narrow dataset move a pretrained router's top-k choice
+  for every token and can leave experts idle; the experts themselves still adapt. True / False force it.
+  """
 
   steps: int = 1000
   batch_size: int = 8
@@ -243,8 +249,11 @@ class TrainSection:
   eval_every: int = 0
   eval_at_end: bool = True
   async_checkpointing: bool = True
+  freeze_router: bool | str = "auto"
 
   def __post_init__(self):
+    if not (self.freeze_router == "auto" or isinstance(self.freeze_router, bool)):
+      raise ConfigError(f"train.freeze_router={self.freeze_router!r}; expected 'auto', True or False")
     for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       _positive_int("train", name, getattr(self, name))
     _positive_int("train", "eval_every", self.eval_every, allow_zero=True)
@@ -343,6 +352,14 @@ class ExperimentConfig:
   mesh: MeshConfig = MeshConfig(data=1)
   raw: Mapping[str, Any]
   trust_remote_code: bool = False
+
+  @property
+  def frozen_modules(self) -> tuple[str, ...]:
+    """Module names whose trainable variables training keeps unchanged (`train.freeze_router`): ('router',) or ()."""
+    freeze = self.train.freeze_router
+    if freeze == "auto":
+      freeze = bool(self.model.checkpoint) and self.lora is None
+    return ("router",) if freeze else ()
 
   @classmethod
   def from_config_dict(cls, config: ml_collections.ConfigDict | Mapping[str, Any], *,

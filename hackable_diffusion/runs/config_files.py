@@ -189,9 +189,26 @@ def config_from_json(path: str, *, trust_remote_code: bool = False) -> ml_collec
       return {k: fix(x) for k, x in v.items()}
     return tuple(fix(x) for x in v) if isinstance(v, list) else v
 
-  config = ml_collections.ConfigDict(fix(data))
+  config = ml_collections.ConfigDict(fix(resolve_data_paths(data, os.path.dirname(os.path.abspath(path)))))
   config.lock()
   return config
+
+
+def resolve_data_paths(data: dict[str, Any], workdir: str) -> dict[str, Any]:
+  """A run's config with a relative `data.train_path` / `data.validation_path` that names no file from the
+  current directory but one in `workdir` made to name that one: a path relative to the workdir (runs store
+  absolute paths; one written by hand or by an older run may be relative)."""
+  section = data.get("data")
+  if not isinstance(section, dict):
+    return data
+  section = dict(section)
+  for key in ("train_path", "validation_path"):
+    value = section.get(key)
+    if isinstance(value, str) and value and not os.path.isabs(value) and not os.path.exists(value):
+      inside = os.path.join(workdir, value)
+      if os.path.exists(inside):
+        section[key] = inside
+  return {**data, "data": section}
 
 
 def check_override_keys(config: ml_collections.ConfigDict, keys: Sequence[str], prefix: str = "config") -> None:
@@ -230,4 +247,5 @@ def write_config_json(config: ml_collections.ConfigDict | Mapping[str, Any], wor
 
 __all__ = ["CODE_KEYS", "CONFIGS_DIR", "CONFIG_FILENAME", "OWN_STRUCTURE_MODULES", "apply_overrides",
            "check_config_source", "check_override_keys", "check_untrusted_config", "config_file_error",
-           "config_from_json", "config_to_dict", "load_config_file", "resolve_config_path", "write_config_json"]
+           "config_from_json", "config_to_dict", "load_config_file", "resolve_config_path", "resolve_data_paths",
+           "write_config_json"]

@@ -26,7 +26,8 @@
    not) is resumable and logged as a warning. Without a checkpoint the config may
    change freely. A stored config.json that is not valid JSON is a one-line error (fix or delete it).
 4. config.json (process 0, only after 1-3 passed): when the stored config differs, it is first kept as
-   `config.prev.json` (one previous version), then the new one is written atomically. A refused rerun therefore
+   `config.prev.json` (one previous version), then the new one is written atomically. Data paths are stored
+   absolute, so `evaluate` / `sample` find the data from any directory. A refused rerun therefore
    leaves every file of the workdir byte for byte as it was.
 
 In a multi-process job the processes agree after 1-2 and again after 3-4 (`sharding.stop_together`): when any of
@@ -324,6 +325,22 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
 
 
+DATA_PATH_KEYS = ("train_path", "validation_path")
+
+
+def with_absolute_data_paths(raw: Mapping[str, Any]) -> dict[str, Any]:
+  """`raw` with `data.train_path` / `data.validation_path` made absolute (from the current directory): the run's
+  config.json then names the same files for `evaluate` and `sample` started from any other directory."""
+  out = dict(raw)
+  data = dict(out.get("data") or {})
+  for key in DATA_PATH_KEYS:
+    if isinstance(data.get(key), str) and data[key]:
+      data[key] = os.path.abspath(data[key])
+  if "data" in out:
+    out["data"] = data
+  return out
+
+
 def check_resume(raw: Mapping[str, Any], workdir: str) -> list[tuple[str, Any, Any]]:
   """Compares the config about to be written with the stored `workdir/config.json` when there is a checkpoint.
 
@@ -334,7 +351,8 @@ def check_resume(raw: Mapping[str, Any], workdir: str) -> list[tuple[str, Any, A
   path = os.path.join(workdir, config_lib.CONFIG_FILENAME)
   if not steps or not os.path.isfile(path):
     return []
-  changes = config_changes(read_json(path), raw)
+  # data paths compared as absolute (stored relative by older runs, launched from this same directory)
+  changes = config_changes(with_absolute_data_paths(read_json(path)), with_absolute_data_paths(raw))
   refused = [c for c in changes if is_refused(*c)]
   if refused:
     raise ConfigError(
@@ -384,9 +402,10 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
     error = e
   stop_together(error, cleanup=None if lock is None else lock.release)
   try:
-    check_resume(cfg.raw, workdir)
+    raw = with_absolute_data_paths(cfg.raw)
+    check_resume(raw, workdir)
     if main:
-      write_config(cfg.raw, workdir)
+      write_config(raw, workdir)
   except Exception as e:  # noqa: BLE001 - as above
     error = e
   except BaseException:
@@ -397,7 +416,8 @@ def open_workdir(cfg: ExperimentConfig, workdir: str) -> WorkdirLock | None:
   return lock
 
 
-__all__ = ["LOCK_FILENAME", "PREV_CONFIG_FILENAME", "REFUSED_SECTIONS", "WRITTEN_FILES", "WorkdirLock",
-           "check_data_paths", "check_no_links",
+__all__ = ["DATA_PATH_KEYS", "LOCK_FILENAME", "PREV_CONFIG_FILENAME", "REFUSED_SECTIONS", "WRITTEN_FILES",
+           "WorkdirLock", "check_data_paths", "check_no_links",
            "check_resume", "check_writable_dir", "checkpoint_steps", "config_changes", "format_changes",
-           "is_refused", "open_workdir", "state_bytes", "warn_if_low_disk", "write_config"]
+           "is_refused", "open_workdir", "state_bytes", "warn_if_low_disk", "with_absolute_data_paths",
+           "write_config"]

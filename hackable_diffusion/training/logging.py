@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import time
 from collections.abc import Mapping
@@ -25,6 +27,7 @@ import numpy as np
 import tqdm
 
 from hackable_diffusion.errors import TrainingError
+from hackable_diffusion.files import check_not_link, makedirs_no_link, open_append, open_new
 from hackable_diffusion.sharding.mesh import is_main_process
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -63,38 +66,56 @@ def _write_error(path: str, e: OSError) -> TrainingError:
 
 
 class _EventFile:
-  """TensorBoard scalar events written synchronously in the caller's thread (tensorboardX's `EventsWriter`, no
-  queue, no worker thread: a failed write raises here instead of killing a thread the caller then waits on)."""
+  """TensorBoard scalar events written synchronously in the caller's thread, no queue, no worker thread: a failed
+  write raises here instead of killing a thread the caller then waits on. The file is created afresh
+  (`files.open_new`: never through a symbolic link) and holds tensorboardX's record format (length, masked
+  CRC-32C of the length, serialized `Event`, masked CRC-32C of the event)."""
 
   def __init__(self, logdir: str, *, purge_step: int | None = None):
-    from tensorboardX.event_file_writer import EventsWriter  # local: only the writing process needs it
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.proto.event_pb2 import Event, SessionLog  # local: only the writing process needs them
+    from tensorboardX.record_writer import masked_crc32c
 
-    os.makedirs(logdir, exist_ok=True)
-    self._event = Event
+    makedirs_no_link(logdir)
+    self._event, self._crc = Event, masked_crc32c
     # pid + counter: two writers of one directory in the same second (a resume in-process) get distinct files
-    suffix, n = f".{os.getpid()}", 0
-    while any(f.endswith(suffix) for f in os.listdir(logdir)):
-      n += 1
-      suffix = f".{os.getpid()}-{n}"
-    self._writer = EventsWriter(os.path.join(logdir, "events"), suffix)
+    stem = os.path.join(logdir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}")
+    n = 0
+    while True:
+      try:
+        self._file = open_new(stem + (f"-{n}" if n else ""), "wb")
+        break
+      except FileExistsError:
+        n += 1
     self.path = logdir  # named in error messages
-    if purge_step is not None:  # TensorBoard hides this file's older events with step >= purge_step
-      self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
-                                     session_log=SessionLog(status=SessionLog.START)))
-      self._writer.flush()
+    try:
+      self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+      if purge_step is not None:  # TensorBoard hides this file's older events with step >= purge_step
+        self._write(Event(step=purge_step, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START)))
+      self.flush()
+    except BaseException:
+      self._file.close()
+      raise
+
+  def _write(self, event: Any) -> None:
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))  # TFRecord framing, little-endian
+    self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
 
   def add_scalars(self, step: int, values: Mapping[str, float]) -> None:
     from tensorboardX.summary import scalar
 
     for k, v in values.items():
-      self._writer.write_event(self._event(summary=scalar(k, v), step=step, wall_time=time.time()))
+      self._write(self._event(summary=scalar(k, v), step=step, wall_time=time.time()))
 
   def flush(self) -> None:
-    self._writer.flush()
+    self._file.flush()
+    os.fsync(self._file.fileno())
 
   def close(self) -> None:
-    self._writer.close()
+    try:
+      self.flush()
+    finally:
+      self._file.close()
 
 
 class MetricWriter:
@@ -117,11 +138,14 @@ class MetricWriter:
     tmp = self.path + ".tmp"
     try:
       os.makedirs(workdir, exist_ok=True)
+      check_not_link(self.path)  # never read, replace or append through a link someone else put there
       kept = [r for r in read_metrics(workdir) if isinstance(r.get("step"), int) and r["step"] <= resume_step]
-      with open(tmp, "w", encoding="utf-8") as f:
+      if os.path.lexists(tmp):  # left by a killed process (or planted): removed, never followed
+        os.remove(tmp)
+      with open_new(tmp, "w", encoding="utf-8") as f:
         f.write("".join(json.dumps(r) + "\n" for r in kept))
       os.replace(tmp, self.path)
-      self._file = open(self.path, "a", encoding="utf-8")
+      self._file = open_append(self.path)
     except OSError as e:
       _remove_quietly(tmp)
       raise _write_error(self.path, e) from None

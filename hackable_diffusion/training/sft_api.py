@@ -20,7 +20,8 @@ model: a Hugging Face DiffusionGemma directory or Hub id (fine-tuning), a previo
   checkpoint as the base), a `ModelConfig` (a fresh init of exactly that config) or a `DiffusionGemma` module (its
   weights are saved once as `output_dir/base_model`, a HF checkpoint, so that a rerun resumes from the same base).
 train_dataset / eval_dataset: a JSONL path, or records (a list of dicts, a grain data source / MapDataset, any
-  finite iterable of dicts with the prompt/completion keys or chat `messages`), written once as `output_dir/data/<split>-<hash>.jsonl`.
+  finite iterable of dicts with the prompt/completion keys or chat `messages`), written once as
+  `output_dir/data/<split>-<hash>.jsonl`.
 task: the evaluation task (a name in `tasks.base.BUILTIN_TASKS` or 'module:factory'; default 'text': exact match
   and character accuracy), with `task_args`.
 The trainer is created at the first `train()` / `evaluate()` / `model` use and holds the output directory's lock
@@ -42,6 +43,7 @@ from flax import nnx
 
 from hackable_diffusion.data.tokenizer import TOKENIZER_FILENAME, Tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
+from hackable_diffusion.files import makedirs_no_link, write_atomic
 from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.interop import export as export_lib
 from hackable_diffusion.interop.hf import save_pretrained
@@ -152,11 +154,8 @@ def dataset_path(dataset: Any, args: SFTConfig, output_dir: str, split: str) -> 
   digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
   path = os.path.join(output_dir, run_lib.DATA_DIR, f"{split}-{digest}.jsonl")
   if not os.path.isfile(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
+    makedirs_no_link(os.path.dirname(path))
+    write_atomic(path, text)  # never through a link planted at its name
   return path
 
 
@@ -204,7 +203,8 @@ def resolve_args(model: Any, train_path: str, args: SFTConfig) -> SFTConfig:
 
 
 def experiment_config(model: Any, train_dataset: Any, args: SFTConfig, *, eval_dataset: Any = None,
-                      task: str | None = None, task_args: Mapping[str, Any] | None = None) -> config_lib.ExperimentConfig:
+                      task: str | None = None, task_args: Mapping[str, Any] | None = None
+                      ) -> config_lib.ExperimentConfig:
   """The experiment config the arguments of `SFTTrainer` mean (validated; writes only data/base-model files)."""
   return _experiment_config(model, train_dataset, args, eval_dataset=eval_dataset, task=task, task_args=task_args)[0]
 
@@ -543,7 +543,8 @@ class SFTTrainer:
         engine.model(), out_dir, format, base=base_model or cfg.model.checkpoint or None,
         tokenizer_path=tokenizer if os.path.isfile(tokenizer) else None,
         generation_defaults=run_lib.generation_defaults(cfg, engine.model_config),
-        vision_source=resolve_model_path(cfg.model.checkpoint) if cfg.model.checkpoint else None, dtype=dtype, overwrite=overwrite,
+        vision_source=resolve_model_path(cfg.model.checkpoint) if cfg.model.checkpoint else None, dtype=dtype,
+        overwrite=overwrite,
         what=f"the model of {self.output_dir}", quantize=quantize)
 
   def close(self) -> None:

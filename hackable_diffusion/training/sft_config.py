@@ -57,7 +57,7 @@ SECTION_KEYS: dict[str, tuple[str, str | None]] = {
     "gradient_accumulation_steps": ("train", "grad_accum_steps"), "seed": ("train", "seed"),
     "logging_steps": ("train", "log_every"), "save_steps": ("train", "checkpoint_every"),
     "save_total_limit": ("train", "keep_checkpoints"), "eval_steps": ("train", "eval_every"),
-    "eval_at_end": ("train", "eval_at_end"),
+    "eval_at_end": ("train", "eval_at_end"), "freeze_router": ("train", "freeze_router"),
     "learning_rate": ("optimizer", "peak_lr"), "lr_scheduler_type": ("optimizer", "schedule"),
     "warmup_steps": ("optimizer", "warmup_steps"), "end_lr_ratio": ("optimizer", "end_lr_ratio"),
     "weight_decay": ("optimizer", "weight_decay"), "adam_beta1": ("optimizer", "b1"),
@@ -80,6 +80,9 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
     "add_bos": "None = from the tokenizer: a bos token when it has one and the model is a pretrained checkpoint",
     "tokenizer": "'' = the checkpoint's tokenizer, or a character model trained on the data for a fresh init (what "
                  "the section's 'auto' picks); otherwise a tokenizer file or directory",
+    "eval_batch_size": "None = the training micro-batch (batch_size / gradient_accumulation_steps), at most the "
+                       "section's 64: a batch the memory plan already fits (sampling holds no gradients), where the "
+                       "section's fixed 64 runs a 26B model out of memory",
 }
 # TRL/transformers settings this trainer has no counterpart for, with the one-line reason / what to use instead
 UNSUPPORTED: dict[str, str] = {
@@ -157,12 +160,13 @@ class SFTConfig(metaclass=_KnownKeywords):
   logging_steps, save_steps, save_total_limit: logging and checkpoint intervals / checkpoints kept.
   report_to: 'tensorboard' (TensorBoard events beside metrics.jsonl), 'none' (metrics.jsonl only), 'wandb'
     (also Weights & Biases, when wandb is installed), or a list of them.
-  eval_steps: evaluate every N steps (0: only at the end, when `eval_at_end`); eval_num_examples, eval_batch_size,
-    eval_step_budgets (one fixed-steps run each), eval_max_steps (the early-stopping run's cap), sampling (the
-    evaluation sampler).
+  eval_steps: evaluate every N steps (0: only at the end, when `eval_at_end`); eval_num_examples, eval_batch_size
+    (None: the training micro-batch, at most 64), eval_step_budgets (one fixed-steps run each), eval_max_steps (the
+    early-stopping run's cap), sampling (the evaluation sampler).
   loss: the diffusion objective (`LossConfig`); mesh: the device mesh (`MeshConfig`; default one device);
   model_overrides: `ModelConfig` fields changed on top of the model (e.g. {'remat': 'nothing_saveable'}).
-  seed: init, data order and noise.
+  seed: init, data order and noise. freeze_router: keep the MoE routers as loaded ('auto': when fine-tuning a
+  checkpoint in full; True / False force it).
   Settings of TRL's SFTConfig without a counterpart (`UNSUPPORTED`) and unknown names are one-line ConfigErrors.
   """
 
@@ -200,8 +204,9 @@ class SFTConfig(metaclass=_KnownKeywords):
   report_to: str | tuple[str, ...] = "tensorboard"
   eval_steps: int = _D["train"]["eval_every"]
   eval_at_end: bool = _D["train"]["eval_at_end"]
+  freeze_router: bool | str = _D["train"]["freeze_router"]
   eval_num_examples: int = _D["eval"]["num_examples"]
-  eval_batch_size: int = _D["eval"]["batch_size"]
+  eval_batch_size: int | None = None  # DIFFERENT_DEFAULTS
   eval_step_budgets: tuple[int, ...] = _D["eval"]["step_budgets"]
   eval_max_steps: int = _D["eval"]["early_stopping_steps"]
   sampling: SamplingConfig = _D["eval"]["sampling"]
@@ -239,17 +244,21 @@ class SFTConfig(metaclass=_KnownKeywords):
     elif self.batch_size is None:
       object.__setattr__(self, "batch_size", _D["train"]["batch_size"])
       derived.add("batch_size")
-    object.__setattr__(self, "_derived", frozenset(derived))
     if self.batch_size % self.gradient_accumulation_steps:
       raise ConfigError(f"SFTConfig.gradient_accumulation_steps={self.gradient_accumulation_steps}: does not divide "
                         f"batch_size={self.batch_size}")
+    if self.eval_batch_size is None:
+      micro = self.batch_size // self.gradient_accumulation_steps
+      object.__setattr__(self, "eval_batch_size", max(1, min(micro, _D["eval"]["batch_size"])))
+      derived.add("eval_batch_size")
+    object.__setattr__(self, "_derived", frozenset(derived))
     if self.max_length is not None and self.max_prompt_length != _D["data"]["max_prompt_length"]:
       raise ConfigError(f"SFTConfig.max_length={self.max_length}: give max_length (prompt + completion tokens) or "
                         f"max_prompt_length={self.max_prompt_length}, not both")
 
   def replace(self, **changes: Any) -> SFTConfig:
-    """A copy with `changes`; the fields this config derived (max_steps, warmup_steps, batch_size left unset)
-    are derived again from the new values."""
+    """A copy with `changes`; the fields this config derived (max_steps, warmup_steps, batch_size, eval_batch_size
+    left unset) are derived again from the new values."""
     return dataclasses.replace(self, **{**{k: None for k in self._derived}, **changes})
 
   @property
@@ -308,7 +317,7 @@ class SFTConfig(metaclass=_KnownKeywords):
                   "grad_accum_steps": self.gradient_accumulation_steps, "seed": self.seed,
                   "log_every": self.logging_steps, "checkpoint_every": self.save_steps,
                   "keep_checkpoints": self.save_total_limit, "eval_every": self.eval_steps,
-                  "eval_at_end": self.eval_at_end},
+                  "eval_at_end": self.eval_at_end, "freeze_router": self.freeze_router},
         "eval": {"num_examples": self.eval_num_examples, "batch_size": self.eval_batch_size,
                  "step_budgets": self.eval_step_budgets, "early_stopping_steps": self.eval_max_steps,
                  "seed": self.seed, "sampling": _sampling_dict(self.sampling)},
@@ -356,10 +365,9 @@ def _non_negative(v: Any) -> str | None:
 def _problem(name: str, v: Any) -> str | None:
   """Why `v` is not a valid value of SFTConfig field `name` (None: it is)."""
   if name in ("gradient_accumulation_steps", "max_prompt_length", "max_canvases",
-              "logging_steps", "save_steps", "save_total_limit", "eval_num_examples", "eval_batch_size",
-              "eval_max_steps"):
+              "logging_steps", "save_steps", "save_total_limit", "eval_num_examples", "eval_max_steps"):
     return _positive(v)
-  if name in ("max_steps", "batch_size", "per_device_train_batch_size", "max_length"):
+  if name in ("max_steps", "batch_size", "per_device_train_batch_size", "max_length", "eval_batch_size"):
     return None if v is None else _positive(v)
   if name == "num_train_epochs":
     return None if v is None or (_num(v) and v > 0) else "expected a number of epochs > 0 (or None: max_steps)"
@@ -407,6 +415,8 @@ def _problem(name: str, v: Any) -> str | None:
     return None if v is None or isinstance(v, bool) else "expected True, False or None (from the tokenizer)"
   if name == "eval_at_end":
     return None if isinstance(v, bool) else "expected a bool"
+  if name == "freeze_router":
+    return None if v == "auto" or isinstance(v, bool) else "expected 'auto', True or False"
   if name == "eval_step_budgets":
     return None if isinstance(v, tuple) and v and all(_int(b) and b > 0 for b in v) else (
         "expected a non-empty tuple of positive integers")

@@ -197,11 +197,29 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, loss_config: LossConfig, param_dt
   return jax.value_and_grad(loss_fn, has_aux=True)
 
 
+def _key_name(key: Any) -> str:
+  return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def keep_frozen(new: Any, old: Any, frozen: tuple[str, ...]) -> Any:
+  """`new` with every leaf under a module named in `frozen` (a component of its path, e.g. 'router' in
+  `layers.3.router.proj.kernel`) taken from `old` (bit for bit); `new` itself when `frozen` is empty."""
+  if not frozen:
+    return new
+  names = set(frozen)
+
+  def pick(path: Any, n: Any, o: Any) -> Any:
+    return o if names.intersection(_key_name(k) for k in path) else n
+
+  return jax.tree_util.tree_map_with_path(pick, new, old)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_config: LossConfig, *,
                     grad_accum_steps: int = 1, lr_schedule: Callable | None = None, jit: bool = True,
                     donate: bool = True, mesh: Mesh | None = None, shardings: TrainState | None = None,
                     rules: Rules = LOGICAL_AXIS_RULES, halt_after_non_finite: bool = False,
-                    param_dtypes: Any = None) -> Callable[..., tuple[TrainState, Metrics]]:
+                    param_dtypes: Any = None, frozen: tuple[str, ...] = ()
+                    ) -> Callable[..., tuple[TrainState, Metrics]]:
   """A jitted `(state, batch, key) -> (state, metrics)` (`jit=False`: the pure function, for callers that jit it
   themselves); `donate`: the input state's buffers are reused for the output.
 
@@ -224,6 +242,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
   `param_dtypes` (a state with master weights, `init_train_state(master_dtype=...)`): the trainable variables as
   the model stores them (a tree like `state.params` of arrays or ShapeDtypeStructs; only the dtypes are read).
   Each step casts the master to them for the forward/backward and updates the master (see the module docstring).
+
+  `frozen`: module names (e.g. ('router',), `ExperimentConfig.frozen_modules`) whose variables keep their values:
+  the optimizer runs over them as over the others (the state's structure does not depend on it) and the step keeps
+  the old values (`keep_frozen`).
   """
   if mesh is None and shardings is not None:
     raise ValueError("make_train_step: shardings=... needs mesh=... (the mesh they place the state on)")
@@ -253,7 +275,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
   def update(state: TrainState, grads: Any) -> TrainState:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = keep_frozen(optax.apply_updates(state.params, updates), state.params, frozen)
     return TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
 
   def step(state: TrainState, batch: SFTBatch, key: jax.Array, *healthy: jax.Array) -> tuple[TrainState, Metrics]:
@@ -303,5 +325,5 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_config: LossConfig,
 
 
 __all__ = ["Metrics", "TrainState", "abstract_train_state", "cast_params", "compute_model", "init_train_state",
-           "init_train_state_sharded", "make_eval_step", "make_loss_and_grad", "make_train_step", "master_params",
-           "state_to_model", "train_state_shardings"]
+           "init_train_state_sharded", "keep_frozen", "make_eval_step", "make_loss_and_grad", "make_train_step",
+           "master_params", "state_to_model", "train_state_shardings"]

@@ -85,13 +85,13 @@ def _optimizer_and_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, mesh: Mes
   """(tx, lr schedule, jitted train step, state shardings or None), memoised (a bounded cache) so that a second
   trainer in the same process (a resumed run, a notebook re-run) reuses the compiled step. `params`: the trainable
   variables as the state holds them; `param_dtypes`: the model's dtypes of a master copy (see `training.step`)."""
-  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps, mesh, param_dtypes)
+  key = (graphdef, cfg.optimizer, cfg.diffusion, cfg.train.grad_accum_steps, mesh, param_dtypes, cfg.frozen_modules)
   if key not in _STEP_CACHE:
     tx, schedule = make_optimizer(cfg.optimizer)
     shardings = None if mesh is None else train_state_shardings(mesh, params, rest, tx)
     step = make_train_step(graphdef, tx, cfg.diffusion, grad_accum_steps=cfg.train.grad_accum_steps,
                            lr_schedule=schedule, mesh=mesh, shardings=shardings, halt_after_non_finite=True,
-                           param_dtypes=param_dtypes)
+                           param_dtypes=param_dtypes, frozen=cfg.frozen_modules)
     while len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
       _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = (tx, schedule, step, shardings)

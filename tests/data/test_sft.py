@@ -342,3 +342,35 @@ def test_pinned_field_errors_name_file_and_line(tmp_path, tok):
   with pytest.raises(DataError) as e:
     load_records(None, config(none, pinned_field='pins'), tok)
   assert "missing field 'pins' (pinned_field; set data.pinned_field=''" in one_line_error(e, none, 1)
+
+
+# ------------------------------------------------------------------------------------------ streaming
+def test_a_large_jsonl_is_streamed_not_held_in_memory(tmp_path, tok):
+  """50k records with a long extra field (a 45 MB file): reading holds the token arrays and an index of byte offsets,
+  never the records' texts (the peak of Python allocations stays far below the file's size), and a record's texts
+  and fields read back from its line on demand."""
+  import os
+  import tracemalloc
+
+  n, note = 50_000, 'x' * 880
+  path = tmp_path / 'large.jsonl'
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(f'{{"prompt": "p{i % 1000}", "completion": "ab", "note": "{note}", "id": {i}}}\n' for i in range(n))
+  size = os.path.getsize(path)
+  cfg = config(str(path), max_prompt_length=6, canvas_length=4, max_canvases=1)
+  tracemalloc.start()
+  try:
+    r = load_records(None, cfg, tok)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  arrays = sum(a.nbytes for a in (r.prompt_ids, r.completion_ids, r.prompt_lengths, r.completion_lengths))
+  assert len(r) == n and size > 40e6
+  # the arrays and the index (twice while the chunks are joined) plus one chunk of texts, not every record
+  assert peak < 2 * (arrays + 16 * n) + size / 8, (peak, arrays, size)
+  assert not isinstance(r.prompts, list) and not isinstance(r.sources, list)
+  last = r.text_record(n - 1)
+  assert (last.prompt, last.completion, last.fields['id']) == (f'p{(n - 1) % 1000}', 'ab', n - 1)
+  assert r.sources[n - 1] == (str(path), n) and r.prompts[5] == 'p5'
+  shard = r.select(np.arange(1, n, 2))
+  assert shard.prompts[:2] == ['p1', 'p3'] and shard.text_record(0).fields['id'] == 1

@@ -124,6 +124,42 @@ def test_errors_are_one_line(tmp_path, state):
       ckpt.restore(other)
 
 
+def _rotate_during_the_first_read(reader: Checkpointer, save) -> None:
+  """Makes `reader`'s first restore race a writer: `save()` (a newer save that rotates old steps out) runs after
+  the reader picked its step and before it reads the files."""
+  original, calls = reader._manager.restore, []  # noqa: SLF001
+
+  def racing(step, *args, **kwargs):
+    if not calls:
+      save()
+    calls.append(step)
+    return original(step, *args, **kwargs)
+
+  reader._manager.restore = racing  # noqa: SLF001
+
+
+def test_a_checkpoint_rotated_out_while_being_read_is_not_damaged(tmp_path, state):
+  """A reader (sample, evaluate) racing the run's rotation: an explicit step that left while being read is 'rotated
+  out, re-run', never 'damaged - delete it'; a latest-step read retries the newest step and succeeds."""
+  _, st = state
+  directory = str(tmp_path / "ckpt")
+  with Checkpointer(directory, max_to_keep=2, async_save=False) as writer:
+    writer.save(1, st, {}, wait=True)
+    writer.save(2, st, {}, wait=True)
+  with Checkpointer(directory, read_only=True) as reader, Checkpointer(directory, max_to_keep=2) as writer:
+    _rotate_during_the_first_read(reader, lambda: writer.save(3, st, {}, wait=True))  # step 1 leaves
+    with pytest.raises(CheckpointError) as err:
+      reader.restore_meta(1)
+  message = str(err.value)
+  assert "\n" not in message and "rotated out while being read" in message and "re-run" in message
+  assert "damaged" not in message and "newest is now step 3" in message
+  with Checkpointer(directory, read_only=True) as reader, Checkpointer(directory, max_to_keep=1) as writer:
+    _rotate_during_the_first_read(reader, lambda: writer.save(4, st, {}, wait=True))  # steps 2 and 3 leave
+    restored, meta = reader.restore(jax.eval_shape(lambda: st))
+  assert meta["step"] == 4
+  _assert_equal(restored.params, st.params)
+
+
 def test_late_asyncio_noise_of_a_failed_restore_is_dropped(tmp_path, state):
   """A failed restore leaves tensorstore reads in flight; when their futures are collected later, asyncio logs
   'Future exception was never retrieved' with a traceback (seen on CI after the one-line error). The checkpointer's

@@ -199,6 +199,37 @@ def test_without_a_checkpoint_the_config_may_change(tmp_path):
     workdir_lib.check_resume(raw, workdir)
 
 
+def test_data_paths_are_stored_absolute_so_another_directory_finds_the_data(tmp_path, monkeypatch):
+  """Trained from directory A with a relative data path, the run is loaded (as `evaluate` / `sample` do) from
+  directory B: config.json names the data absolutely, and the run's evaluation data load from there. A path
+  relative to the workdir (hand-written config.json) resolves too."""
+  from hackable_diffusion.runs import config_files
+  from hackable_diffusion.runs import run as run_lib
+
+  a, b = tmp_path / "a", tmp_path / "b"
+  (a / "data").mkdir(parents=True)
+  b.mkdir()
+  lines = "".join(f'{{"prompt": "{i % 10}{(i + 3) % 10}", "completion": "{(i + 3) % 10}{i % 10}"}}\n'
+                  for i in range(16))
+  for split in ("train", "valid"):
+    (a / "data" / f"{split}.jsonl").write_text(lines)
+  monkeypatch.chdir(a)
+  config = small_config(**{"data.generator": "", "data.train_path": "data/train.jsonl",
+                           "data.validation_path": "data/valid.jsonl", "eval.split": "validation",
+                           "train.steps": 1})
+  trainer_lib.train(config, "run", progress=False)
+  workdir = str(a / "run")
+  monkeypatch.chdir(b)
+  stored = config_files.config_from_json(os.path.join(workdir, "config.json"))
+  assert stored.data.train_path == str(a / "data" / "train.jsonl")
+  run = run_lib.load_run(workdir)
+  assert run.paths["validation"] == str(a / "data" / "valid.jsonl")
+  data = run_lib.load_eval_data(run.config, run.model.config, run.tokenizer, run.paths)
+  assert len(data) > 0
+  relative = config_files.resolve_data_paths({"data": {"train_path": "../data/train.jsonl"}}, workdir)
+  assert relative["data"]["train_path"] == os.path.join(workdir, "../data/train.jsonl")
+
+
 # ---- checks before anything is written -------------------------------------------------------------------------------
 def test_missing_validation_file_fails_before_anything_is_written(tmp_path):
   train = tmp_path / "train.jsonl"

@@ -165,12 +165,12 @@ def test_dead_tensorboard_writer_never_hangs(tmp_path, code):
   thread with a join timeout); the first failure is a one-line TrainingError."""
   writer = log_lib.MetricWriter(str(tmp_path), enabled=True)
   writer.write(1, {"loss": 1.0}, prefix="train/")
-  events = writer._tb._writer
+  events = writer._tb
 
   def broken(*_args, **_kwargs):
     raise OSError(code, os.strerror(code))
 
-  events.write_event = broken
+  events._write = broken
   events.flush = broken
   for _ in range(3):  # more writes than tensorboardX's queue (10) would have taken before blocking
     kind, value = _in_thread(lambda: writer.write(2, {f"m{i}": float(i) for i in range(20)}, prefix="train/"))

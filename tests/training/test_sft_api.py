@@ -45,7 +45,7 @@ BAD_VALUES = {
     "batch_size": 2.5, "gradient_accumulation_steps": 0, "seed": "0", "lora": {"rank": 8}, "lora_seed": 1.5,
     "dtype": "int8", "master_weights": "yes", "tokenizer": 3, "add_bos": "no", "prompt_field": "",
     "completion_field": None, "messages_field": 3, "chat_template": "<user>", "max_prompt_length": 0, "max_canvases": -2,
-    "logging_steps": 0, "save_steps": 0, "save_total_limit": 0, "eval_steps": -5, "eval_at_end": 1,
+    "logging_steps": 0, "save_steps": 0, "save_total_limit": 0, "eval_steps": -5, "eval_at_end": 1, "freeze_router": "yes",
     "eval_num_examples": 0, "eval_batch_size": 0, "eval_step_budgets": (0,), "eval_max_steps": 0,
     "sampling": {"t_min": 0.1}, "loss": "flat", "mesh": {"data": 2}, "model_overrides": {"hidden": 3},
     "num_train_epochs": 0, "per_device_train_batch_size": 0, "max_length": 0, "report_to": "x",
@@ -295,3 +295,14 @@ def test_keyword_form_runs(hf_factory, tmp_path, monkeypatch):
   stored = json.load(open(tmp_path / "runs" / "sft" / "config.json", encoding="utf-8"))
   assert stored["train"]["steps"] == 2 and stored["train"]["batch_size"] == 8
   assert stored["optimizer"]["peak_lr"] == 1e-4
+
+
+def test_the_evaluation_batch_follows_the_training_micro_batch():
+  """SFTConfig's evaluation batch defaults to the training micro-batch (a batch the memory plan already fits), at
+  most 64; `replace` derives it again, and a given value is kept."""
+  assert SFTConfig().eval_batch_size == SFTConfig().batch_size < 64
+  assert SFTConfig(batch_size=16, gradient_accumulation_steps=8).eval_batch_size == 2
+  assert SFTConfig(batch_size=512).eval_batch_size == 64
+  assert SFTConfig(batch_size=8).replace(batch_size=4).eval_batch_size == 4
+  assert SFTConfig(batch_size=8, eval_batch_size=5).replace(batch_size=4).eval_batch_size == 5
+  assert SFTConfig(batch_size=16, gradient_accumulation_steps=8).experiment_sections()["eval"]["batch_size"] == 2

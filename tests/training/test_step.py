@@ -180,3 +180,41 @@ def test_master_weights_cast_each_scanned_layer_where_it_is_used():
   assert stacked and any(f"f32[{','.join(map(str, s))}]" in hlo for s in stacked)  # the master enters the scan
   for shape in stacked:
     assert f"bf16[{','.join(map(str, shape))}]" not in hlo, shape
+
+
+def _router_leaves(params) -> dict[str, np.ndarray]:
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat if "'router'" in jax.tree_util.keystr(p)}
+
+
+def test_a_frozen_router_keeps_its_weights_and_an_unfrozen_one_learns(stepper):
+  """Full fine-tuning with `frozen=('router',)` (a pretrained checkpoint's default, `train.freeze_router`): the
+  routers' projection, scale and per-expert scales stay bit for bit while the other weights move; without it they
+  change. The optimizer state has the same structure either way (checkpoints stay interchangeable)."""
+  graphdef, state, step = stepper
+  tx, schedule = make_optimizer(OptimizerConfig(peak_lr=3e-3, warmup_steps=0, decay_steps=100))
+  frozen_step = make_train_step(graphdef, tx, LossConfig(), lr_schedule=schedule, donate=False, frozen=("router",))
+  before = _router_leaves(state.params)
+  assert len(before) == 3 * CFG.num_hidden_layers  # proj kernel, scale, per_expert_scale per layer
+  frozen, _ = frozen_step(state, _batch(), jax.random.key(0))
+  trained, _ = step(state, _batch(), jax.random.key(0))
+  for name, value in _router_leaves(frozen.params).items():
+    np.testing.assert_array_equal(value, before[name], err_msg=name)
+  assert any(not np.array_equal(v, before[k]) for k, v in _router_leaves(trained.params).items())
+  others = [(a, b) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(frozen.params)[0],
+                                        jax.tree.leaves(state.params)) if "router" not in jax.tree_util.keystr(p)]
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in others)
+  assert jax.tree.structure(frozen.opt_state) == jax.tree.structure(trained.opt_state)
+
+
+def test_the_router_is_frozen_by_default_only_when_fine_tuning_a_checkpoint_in_full():
+  from hackable_diffusion.runs.config import ExperimentConfig
+
+  def frozen(**sections):
+    return ExperimentConfig.from_config_dict({"data": {"train_path": "x.jsonl"}, **sections}).frozen_modules
+
+  assert frozen(model={"checkpoint": "some/model"}) == ("router",)
+  assert frozen(model={"preset": "tiny"}) == ()  # a fresh init: the random router must learn
+  assert frozen(model={"checkpoint": "some/model"}, lora={"enabled": True}) == ()
+  assert frozen(model={"checkpoint": "some/model"}, train={"freeze_router": False}) == ()
+  assert frozen(model={"preset": "tiny"}, train={"freeze_router": True}) == ("router",)
