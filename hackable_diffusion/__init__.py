@@ -12,6 +12,7 @@ _LAZY = {
     "ModelConfig": "hackable_diffusion.model.config",
     "DiffusionGemmaConfig": "hackable_diffusion.model.config",
     "RopeConfig": "hackable_diffusion.model.config",
+    "VisionConfig": "hackable_diffusion.model.vision_config",
     "get_preset": "hackable_diffusion.model.config",
     "DiffusionGemma": "hackable_diffusion.model.transformer",
     "KVCache": "hackable_diffusion.model.attention",

@@ -5,8 +5,10 @@ Layout written by transformers' `DiffusionGemmaForBlockDiffusion.save_pretrained
 encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.N.layer_scalar`, and a vision
 tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*` (the name mapping: `interop.names`).
 Our model has one set of text weights; loading maps the names onto it tensor by tensor (never two full copies in
-memory) and skips the vision tower (text-only); saving writes every name transformers expects, with a tiny vision
-stub (or the vision tower of a source checkpoint) so that `from_pretrained` reports no missing or unexpected keys.
+memory), the vision tower included when the config has a real one (`model.vision`; the tiny placeholder tower a
+text-only model writes, or `vision=None`, loads a text-only model and skips it); saving writes every name
+transformers expects, with a tiny vision stub (or the vision tower of a source checkpoint) for a text-only model,
+so that `from_pretrained` reports no missing or unexpected keys.
 
 Loading is one loop over the stored tensors with a per-tensor *placement* function: on one device
 (`place_on_host`: read the tensor, cast, transpose) or straight into its shards on a mesh (`place_in_shards`:
@@ -107,12 +109,12 @@ def load_weights(model: nnx.Module, path: str, place: Placement = place_on_host,
                  check_finite: bool = True) -> nnx.Module:
   """Fills every variable of `model` (built abstractly: `nnx.eval_shape`) from the checkpoint at `path`.
 
-  Tensors are read one at a time and placed by `place`; the vision tower is skipped with one warning; a tied
-  encoder copy stored next to its decoder copy is skipped. A compressed-tensors checkpoint (config.json's
-  `quantization_config`, `interop.quantized`) is dequantized weight by weight (FP8: `weight` + `weight_scale`;
-  NVFP4: `weight_packed` + `weight_scale` + `weight_global_scale`), per-expert weights (`experts.N.gate_proj` /
-  `up_proj` / `down_proj`, quantized or not) are stacked into the fused layout, and activation-quantization scales
-  are skipped with one warning. Everything is checked before the first tensor is read (`load_plan.prepare_load`).
+  Tensors are read one at a time and placed by `place`; a vision tower the model lacks is skipped with one warning; a
+  tied encoder copy stored next to its decoder copy is skipped. A compressed-tensors checkpoint (config.json's
+  `quantization_config`, `interop.quantized`) is dequantized weight by weight (FP8: `weight` + `weight_scale`; NVFP4:
+  `weight_packed` + `weight_scale` + `weight_global_scale`), per-expert weights (`experts.N.gate_proj` / `up_proj` /
+  `down_proj`, quantized or not) are stacked into the fused layout, and activation-quantization scales are skipped
+  with one warning. Everything is checked before the first tensor is read (`load_plan.prepare_load`).
   Raises `CheckpointError` naming the tensor for a missing tensor, an unexpected tensor, a shape mismatch or a
   quantized tensor without its scales, and naming the field for an unsupported `quantization_config`.
   `check_finite`: every tensor is checked for NaN and inf as it is read (one reduction per tensor), a one-line
@@ -131,15 +133,17 @@ def load_pretrained(path: str, dtype: Any = "auto", *, compute_dtype: Any = None
   `path` (and `adapter`): a local directory or a Hugging Face Hub id (`owner/name`), resolved by
   `hackable_diffusion.hub.resolve_model_path` (the local cache first; `HF_HUB_OFFLINE` honoured).
 
-  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given); 'auto' (default): the dtype
-  the checkpoint was saved in (`checkpoint_dtype`: bfloat16 for the released models). Tensors are read one at a
-  time and cast on the fly (peak memory: the model plus one tensor in transit); the vision tower is skipped with
-  one warning. `mesh`: every tensor goes straight into its `NamedSharding` on the mesh (by `rules`), each device
-  reading only its own slice (`place_in_shards`). Quantized compressed-tensors checkpoints (FP8, NVFP4; fused or
-  per-expert experts) are dequantized to `dtype` on the way (`load_weights`, `interop.quantized`). Raises
+  `dtype`: parameter dtype (also the compute dtype unless `compute_dtype` is given); 'auto' (default): the dtype the
+  checkpoint was saved in (`checkpoint_dtype`: bfloat16 for the released models). Tensors are read one at a time and
+  cast on the fly (peak memory: the model plus one tensor in transit). The vision tower (config.json's
+  `vision_config`) loads with the text model and takes images (`hd.generate(..., pixel_values=...)`); `vision=None`
+  loads the text model alone (the tower skipped with one warning), as does a text-only checkpoint's placeholder tower
+  (`TINY_VISION_CONFIG`). `mesh`: every tensor goes straight into its `NamedSharding` on the mesh (by `rules`), each
+  device reading only its own slice (`place_in_shards`). Quantized compressed-tensors checkpoints (FP8, NVFP4; fused
+  or per-expert experts) are dequantized to `dtype` on the way (`load_weights`, `interop.quantized`). Raises
   `CheckpointError` naming the tensor for a missing tensor, an unexpected tensor, or a shape mismatch, and the field
-  for an unsupported `quantization_config`, and a tensor holding a NaN or an inf (naming it and its file; every
-  tensor is checked as it is read, one reduction each) unless `check_finite=False` (for deliberate experiments).
+  for an unsupported `quantization_config`, and a tensor holding a NaN or an inf (naming it and its file; every tensor
+  is checked as it is read, one reduction each) unless `check_finite=False` (for deliberate experiments).
   `adapter`: a PEFT adapter directory to apply on top (see
   `hackable_diffusion.interop.peft`; `adapter_path` is the same argument under transformers' name).
   `config_overrides`: `ModelConfig` fields to override. With `scan_layers=True` (an override or the config) the

@@ -1,13 +1,13 @@
 """The loading plan: which stored tensors of a HF checkpoint fill which variable of our model, checked up front.
 
 Owns the mapping from a checkpoint's stored tensors (located by `locate`) to our variables: `group` sorts every
-stored tensor under the weight it belongs to (skipping the vision tower, activation-quantization scales and tied
-encoder copies; a quantized weight's parts `weight` / `weight_scale` / ... together; per-expert weights under their
-fused expert tensor), and `plan` checks every shape, dtype and scale and returns, per file, the source factory of
-each variable (`interop.placement`), before any tensor is read. Every problem is a one-line `CheckpointError`
-naming the tensor. `prepare_load` runs these for one model and checkpoint directory into a `LoadPlan`, whose `read`
-gives every variable's source file by file (shared by `interop.hf.load_weights` and `interop.qlora_load`).
-Dequantization itself: `interop.quantized`.
+stored tensor under the weight it belongs to (skipping a vision tower the model lacks, activation-quantization
+scales and tied encoder copies; a quantized weight's parts `weight` / `weight_scale` / ... together; per-expert
+weights under their fused expert tensor), and `plan` checks every shape, dtype and scale and returns, per file,
+the source factory of each variable (`interop.placement`), before any tensor is read. Every problem is a one-line
+`CheckpointError` naming the tensor. `prepare_load` runs these for one model and checkpoint directory into a
+`LoadPlan`, whose `read` gives every variable's source file by file (shared by `interop.hf.load_weights` and
+`interop.qlora_load`). Dequantization itself: `interop.quantized`.
 `stored_quantized` / `stacked_quantized` read an FP8 or NVFP4 weight's stored values and scales as they are (no
 dequantization), for a base kept quantized on the device (QLoRA, `interop.qlora_load`).
 """
@@ -197,12 +197,12 @@ class Grouped:
 
 def group(names: Mapping[str, Any], where: Mapping[str, Location],
           config: quantized.QuantizationConfig | None) -> Grouped:
-  """Groups every stored tensor by its weight (skipping the vision tower, activation scales and tied encoder copies
-  whose decoder copy is stored); one-line `CheckpointError` for an unexpected tensor."""
+  """Groups every stored tensor by its weight (skipping the vision tower when the model has none, activation scales
+  and tied encoder copies whose decoder copy is stored); one-line `CheckpointError` for an unexpected tensor."""
   stored_keys = {_split_part(name)[0] for name in where}
   out = Grouped({}, {})
   for name, loc in where.items():
-    if is_vision(name):
+    if is_vision(name) and name not in names:
       out.skipped_vision += 1
       continue
     key, part = _split_part(name)
@@ -303,7 +303,8 @@ class LoadPlan:
       more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
       raise CheckpointError(f"{self.path}: missing tensor {missing[0]!r}{more}")
     if self.grouped.skipped_vision:
-      logging.warning("%s: skipped %d vision-tower tensors (hackable_diffusion is text-only)", self.path,
+      logging.warning("%s: skipped %d vision-tower tensors (the model is text-only: the checkpoint's tower is the "
+                      "placeholder stub, or the config's vision was set to None)", self.path,
                       self.grouped.skipped_vision)
     if self.grouped.skipped_activation:
       logging.warning("%s: skipped %d activation-quantization tensors (input scales): activations run in full "

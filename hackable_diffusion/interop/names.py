@@ -2,8 +2,9 @@
 
 transformers stores the text weights once under `model.decoder.*` (encoder and decoder weights are tied), the
 encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.N.layer_scalar`, and a vision
-tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*`. Kernels are stored `[out, in]`
-(torch `nn.Linear`), ours are `[in, out]`: those names carry `transpose=True`.
+tower under `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*` (our `vision_tower` / `embed_vision`,
+named by `interop.vision_io`). Kernels are stored `[out, in]` (torch `nn.Linear`), ours are `[in, out]`: those names
+carry `transpose=True`.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from typing import Any
 
 from flax import nnx
 
+from hackable_diffusion.interop.vision_io import VISION_PREFIXES, is_vision_name, is_vision_path, vision_hf_name
+
 DECODER = "model.decoder."
 DECODER_LAYERS = DECODER + "layers."
 ENCODER_TEXT = "model.encoder.language_model."  # the encoder's copy of the (tied) text model
 ENCODER_LAYERS = ENCODER_TEXT + "layers."
-VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 VariablePath = tuple[Any, ...]
 
 
 def hf_name(path: VariablePath) -> tuple[str, bool]:
   """Our variable path (e.g. `('layers', 0, 'self_attn', 'q_proj', 'kernel')`) -> (HF tensor name, transpose?)."""
+  if is_vision_path(path):
+    return vision_hf_name(path)
   parts = [str(p) for p in path]
   if parts == ["embed_tokens"]:
     return DECODER + "embed_tokens.weight", False
@@ -42,8 +46,8 @@ def tied_decoder_name(name: str) -> str | None:
 
 
 def is_vision(name: str) -> bool:
-  """Whether a HF tensor belongs to the vision tower (which this text-only model skips)."""
-  return name.startswith(VISION_PREFIXES)
+  """Whether a HF tensor belongs to the vision tower or its embedder."""
+  return is_vision_name(name)
 
 
 def iter_variables(model: nnx.Module) -> Iterator[tuple[VariablePath, nnx.Variable]]:

@@ -13,7 +13,8 @@ scales as they are, never rounded through bf16 (the dense value is bit for bit t
 'nvfp4' mode its NVFP4 weights are (FP4 codes, float8 block scales, global scale: the dense value is bit for bit
 compressed-tensors' float32 product before its bfloat16 cast). Any other weight is dequantized to float32 and
 quantized (an NVFP4 weight read in 'int4' mode is rounded a second time, onto the int4 grid). Every other variable
-(embedding, norms, router, buffers) is loaded as `hd.load_pretrained` loads it.
+(embedding, norms, router, buffers, and the whole vision tower, whose projections are not `nnx.Linear`s and stay
+dense in `dtype`: bfloat16 for the released checkpoints) is loaded as `hd.load_pretrained` loads it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Model configuration: `ModelConfig`, presets, and Hugging Face `config.json` conversion.
 
 `ModelConfig` covers every field of transformers' `DiffusionGemmaTextConfig` that changes the text model, plus
-the block-diffusion `canvas_length` of `DiffusionGemmaConfig` and our own compute options (dtypes, MoE kernel,
-task attention structure). `from_hf_config` / `to_hf_config` convert both ways (reading a `config.json`:
-`hackable_diffusion.model.hf_config`).
+the block-diffusion `canvas_length` of `DiffusionGemmaConfig`, its vision tower (`vision`, a `VisionConfig`, with
+the image token ids) and our own compute options (dtypes, MoE kernel, task attention structure).
+`from_hf_config` / `to_hf_config` convert both ways (reading a `config.json`: `hackable_diffusion.model.hf_config`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.model import hf_config, structure
 from hackable_diffusion.model.hf_config import FULL, SLIDING, TINY_VISION_CONFIG
 from hackable_diffusion.model.matmul import MATMUL_DTYPES
+from hackable_diffusion.model.vision_config import VisionConfig
 
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
@@ -105,6 +106,12 @@ class ModelConfig:
   canvas_length: int = 256
   max_position_embeddings: int = 131_072
   initializer_range: float = 0.02
+  # The Gemma 4 vision tower (HF `vision_config`; None: a text-only model) and the prompt tokens of an image: its
+  # soft tokens replace the `image_token_id` tokens, between `boi_token_id` and `eoi_token_id`.
+  vision: VisionConfig | None = None
+  image_token_id: int | None = None
+  boi_token_id: int | None = None
+  eoi_token_id: int | None = None
   # --- ours (not in the HF config) ---
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
@@ -134,6 +141,12 @@ class ModelConfig:
         object.__setattr__(self, name, RopeConfig(**value))
       elif not isinstance(value, RopeConfig):
         raise ConfigError(f"ModelConfig.{name}={value!r}; expected a RopeConfig or a dict of its fields")
+    if isinstance(self.vision, Mapping):
+      object.__setattr__(self, "vision", VisionConfig(**self.vision))
+    elif self.vision is not None and not isinstance(self.vision, VisionConfig):
+      raise ConfigError(f"ModelConfig.vision={self.vision!r}; expected a VisionConfig, a dict of its fields or None")
+    if self.vision is not None and self.image_token_id is None:
+      raise ConfigError("ModelConfig.vision is set but image_token_id is None: the prompt needs an image token")
     positive = (
         "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
         "head_dim global_head_dim sliding_window num_experts top_k_experts moe_intermediate_size canvas_length "
@@ -180,6 +193,7 @@ class ModelConfig:
     if not isinstance(self.scan_layers, bool):
       raise ConfigError(f"ModelConfig.scan_layers={self.scan_layers!r}; expected True or False")
     ids = (self.pad_token_id, self.bos_token_id, *self.eos_token_ids)
+    ids += tuple(t for t in (self.image_token_id, self.boi_token_id, self.eoi_token_id) if t is not None)
     for tid in ids:
       if not 0 <= tid < self.vocab_size:
         raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
@@ -222,8 +236,9 @@ class ModelConfig:
   # ---- Hugging Face conversion ---------------------------------------------------------------------------------
   @classmethod
   def from_hf_config(cls, config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """Builds a config from a HF DiffusionGemma `config.json` dict (top level or its `text_config`)."""
-    kwargs = hf_config.model_fields(config)
+    """Builds a config from a HF DiffusionGemma `config.json` dict (top level or its `text_config`). An override of
+    `vision` (e.g. `vision=None`: the text model alone) replaces the checkpoint's vision tower unread."""
+    kwargs = hf_config.model_fields(config, vision="vision" not in overrides)
     rope = kwargs.pop("rope_parameters")
     if SLIDING in rope:
       kwargs["sliding_rope"] = RopeConfig.from_hf(rope[SLIDING])
@@ -271,18 +286,24 @@ class ModelConfig:
     }
 
   def to_hf_config(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
-    """A complete `config.json` for `DiffusionGemmaForBlockDiffusion` (text weights + a tiny vision stub)."""
+    """A complete `config.json` for `DiffusionGemmaForBlockDiffusion`: the text config and the model's vision tower,
+    or for a text-only model a tiny vision stub (`TINY_VISION_CONFIG`, which loads back as text-only)."""
     # transformers always builds a vision tower; a tiny one keeps `from_pretrained` cheap. Its weights are written
     # by `save_pretrained` so that the checkpoint loads without missing keys.
     v = max(4, self.vocab_size)
+    if self.vision is not None:
+      vision, ids = self.vision.to_hf(), (self.boi_token_id, self.eoi_token_id, self.image_token_id)
+    else:
+      vision = dict(TINY_VISION_CONFIG)
+      ids = (v - 3, v - 2, v - 1) if self.vocab_size > 8 else (0, 0, 0)
     return {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
         "model_type": "diffusion_gemma",
         "text_config": self.to_hf_text_config(),
-        "vision_config": dict(TINY_VISION_CONFIG),
-        "boi_token_id": v - 3 if self.vocab_size > 8 else 0,
-        "eoi_token_id": v - 2 if self.vocab_size > 8 else 0,
-        "image_token_id": v - 1 if self.vocab_size > 8 else 0,
+        "vision_config": vision,
+        "boi_token_id": ids[0],
+        "eoi_token_id": ids[1],
+        "image_token_id": ids[2],
         "canvas_length": self.canvas_length,
         "tie_word_embeddings": True,
         "initializer_range": self.initializer_range,
@@ -378,7 +399,8 @@ def dims_str(config: ModelConfig) -> str:
 
 
 __all__ = [
-    "ConfigError", "DiffusionGemmaConfig", "RopeConfig", "ModelConfig", "PRESETS", "get_preset", "config_from_any",
+    "ConfigError", "DiffusionGemmaConfig", "RopeConfig", "ModelConfig", "VisionConfig", "PRESETS", "get_preset",
+    "config_from_any",
     "SLIDING", "FULL",
     "TINY_VISION_CONFIG", "dims_str",
 ]

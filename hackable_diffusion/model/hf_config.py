@@ -1,4 +1,5 @@
-"""Reading a Hugging Face DiffusionGemma `config.json`: its text-model keys as `ModelConfig` fields.
+"""Reading a Hugging Face DiffusionGemma `config.json`: its text-model keys (and its vision tower's, when it has a
+real one) as `ModelConfig` fields.
 
 Pure dict-to-dict translation with the defaults and checks of transformers' `DiffusionGemmaTextConfig`; building the
 `ModelConfig` (and the `RopeConfig`s) is `ModelConfig.from_hf_config`'s job.
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.model.vision_config import VisionConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -28,9 +30,35 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 }
 
 
-def model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+def is_vision_stub(vision: VisionConfig) -> bool:
+  """Whether a vision config is `TINY_VISION_CONFIG`, the placeholder tower a text-only model writes (transformers
+  always builds a tower): such a checkpoint loads as a text-only model."""
+  return vision == VisionConfig.from_hf(TINY_VISION_CONFIG)
+
+
+def vision_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The vision keyword arguments of `ModelConfig` from a top-level `config.json` dict: `vision` (a `VisionConfig`)
+  and the image token ids, or {} for a text-only config (no `vision_config`, or the placeholder stub)."""
+  raw = config.get("vision_config") if config.get("model_type") == "diffusion_gemma" else None
+  if not isinstance(raw, Mapping):
+    return {}
+  try:
+    vision = VisionConfig.from_hf(raw)
+  except ConfigError as e:
+    raise ConfigError(f"config.json {e}") from None
+  if is_vision_stub(vision):
+    return {}
+  out: dict[str, Any] = {"vision": vision}
+  for key, default in (("image_token_id", 258_880), ("boi_token_id", 255_999), ("eoi_token_id", 258_882)):
+    value = config.get(key, default)
+    out[key] = None if value is None else int(value)
+  return out
+
+
+def model_fields(config: Mapping[str, Any], *, vision: bool = True) -> dict[str, Any]:
   """`ModelConfig` keyword arguments from a `config.json` dict (top level or its `text_config`); the key
   `rope_parameters` holds the raw per-layer-type RoPE dicts (`{SLIDING: {...}, FULL: {...}}`, either may be missing).
+  `vision`: also read the vision tower (`vision_fields`; False: the text model alone, its vision config unread).
   A one-line `ConfigError` for a config this model cannot run."""
   model_type = config.get("model_type")
   if model_type == "diffusion_gemma":
@@ -113,7 +141,9 @@ def model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
       initializer_range=float(text.get("initializer_range", 0.02)),
   )
   kwargs["rope_parameters"] = rope
+  if vision:
+    kwargs.update(vision_fields(config))
   return kwargs
 
 
-__all__ = ["FULL", "SLIDING", "TINY_VISION_CONFIG", "model_fields"]
+__all__ = ["FULL", "SLIDING", "TINY_VISION_CONFIG", "is_vision_stub", "model_fields", "vision_fields"]

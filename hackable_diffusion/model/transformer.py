@@ -4,6 +4,10 @@ The encoder runs causally over the prompt (and, in block-autoregressive generati
 and writes a KV cache; the decoder denoises a canvas attending to that cache and to the whole canvas, with a
 self-conditioning MLP on its input. Logits are computed by the tied embedding in fp32 and soft-capped
 (`tanh(logits / cap) * cap`). Same meaning as transformers' `DiffusionGemmaForBlockDiffusion`.
+
+A model whose config has a `vision` tower also takes images: `image_features` runs the tower once per prompt and
+`encode(..., image_features=...)` puts the soft tokens in place of the prompt's `image_token_id` tokens
+(`model.vision`); the decoder never sees pixels.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure
+from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure, vision
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -155,6 +159,14 @@ class DiffusionGemma(nnx.Module):
       self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
       self.norm = layers.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pdtype)
       self.self_conditioning = SelfConditioning(config, rngs=rngs)
+      if config.vision is not None:
+        self.vision_tower = vision.VisionTower(config.vision, rngs=rngs, dtype=self.dtype, param_dtype=pdtype)
+        self.embed_vision = vision.MultimodalEmbedder(config.vision, config.hidden_size, rngs=rngs, dtype=self.dtype,
+                                                      param_dtype=pdtype, std=config.initializer_range)
+
+  @property
+  def has_vision(self) -> bool:
+    return self.config.vision is not None
 
   # ---- pieces ----------------------------------------------------------------------------------------------------
   def embed(self, ids: Array) -> Array:
@@ -195,6 +207,14 @@ class DiffusionGemma(nnx.Module):
       soft = (layers.tokens_2d(probs) @ w).reshape(*probs.shape[:-1], -1)  # [B, C, H]
     return soft.astype(self.dtype) * scale
 
+  def image_features(self, pixel_values: Array, image_position_ids: Array) -> tuple[Array, Array]:
+    """pixel_values [N, P, 3 p^2], image_position_ids [N, P, 2] -> (soft tokens in the text width [N, P / k^2, H],
+    mask [N, P / k^2]): transformers' `get_image_features(...).pooler_output`, kept per image with a mask."""
+    if not self.has_vision:
+      raise ValueError("this model has no vision tower (its config has no vision); it cannot take images")
+    soft, mask = self.vision_tower(pixel_values, image_position_ids)
+    return self.embed_vision(soft), mask
+
   def _rope(self, positions: Array) -> dict[str, tuple[Array, Array]]:
     cfg = self.config
     inv_freq = {
@@ -216,11 +236,14 @@ class DiffusionGemma(nnx.Module):
     return cache.regrouped(self._cache_groups())
 
   # ---- modes -----------------------------------------------------------------------------------------------------
-  def encode(self, input_ids: Array, cache: KVCache, attention_mask: Array | None = None) -> tuple[Array, KVCache]:
+  def encode(self, input_ids: Array, cache: KVCache, attention_mask: Array | None = None,
+             image_features: tuple[Array, Array] | None = None) -> tuple[Array, KVCache]:
     """Causal encoder pass that appends `input_ids [B, L]` to `cache` at each row's `cache.length`.
 
     attention_mask [B, L] (False = padding; left padding allowed). Returns the final-normed hidden states
     [B, L, H] (for the encoder's autoregressive loss) and the updated cache. Positions are `length + arange(L)`.
+    image_features: `image_features(...)`'s (features, mask), whose valid soft tokens replace the embeddings of the
+    `image_token_id` tokens of `input_ids` in row-major order (as many as there are; `vision.num_soft_tokens`).
     """
     b, l = input_ids.shape
     start = cache.length
@@ -229,7 +252,10 @@ class DiffusionGemma(nnx.Module):
     valid = jax.vmap(lambda v, m, s: jax.lax.dynamic_update_slice_in_dim(v, m, s, axis=0))(cache.valid, mask_new,
                                                                                              start)
     rope = self._rope(positions)
-    x = sharding.constrain(self.embed(input_ids), _RESIDUAL)
+    x = self.embed(input_ids)
+    if image_features is not None:
+      x = vision.scatter_image_features(x, input_ids, *image_features, self.config.image_token_id)
+    x = sharding.constrain(x, _RESIDUAL)
     run = _remat(_encode_layer, "none" if scan.is_linked(self.layers) else self.config.remat)
 
     def one(layer, x, kv):
@@ -287,14 +313,17 @@ class DiffusionGemma(nnx.Module):
     return self.norm(x)
 
   def __call__(self, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
-               self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None) -> Array:
+               self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None,
+               pixel_values: Array | None = None, image_position_ids: Array | None = None) -> Array:
     """Encode the prompt `[B, P]`, denoise the canvas `[B, C]` -> logits `[B, C, V]` fp32 (soft-capped).
 
     Same meaning as transformers' `DiffusionGemmaForBlockDiffusion.forward(...).logits` with the decoder mask
-    being `attention_mask` extended with ones over the canvas (what its `generate` passes).
+    being `attention_mask` extended with ones over the canvas (what its `generate` passes). `pixel_values` /
+    `image_position_ids`: the prompt's images (`image_features`), one soft token per image token of `input_ids`.
     """
     cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
-    _, cache = self.encode(input_ids, cache, attention_mask)
+    images = None if pixel_values is None else self.image_features(pixel_values, image_position_ids)
+    _, cache = self.encode(input_ids, cache, attention_mask, images)
     return self.decode(decoder_input_ids, cache, self_conditioning_logits, self_conditioning_mask)
 
 
@@ -322,15 +351,20 @@ def _initializer(config: ModelConfig) -> tuple[nnx.GraphDef, Callable[[jax.Array
 
 
 def forward(model: DiffusionGemma, input_ids: Array, decoder_input_ids: Array, attention_mask: Array | None = None,
-            self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None) -> Array:
+            self_conditioning_logits: Array | None = None, self_conditioning_mask: Array | None = None,
+            pixel_values: Array | None = None, image_position_ids: Array | None = None) -> Array:
   """`model(...)` compiled (one compilation per model graph and input shape).
 
   A `jax.jit` over the model's split state: `nnx.jit` would also return the (unchanged) state, i.e. write a copy of
-  every parameter per call (a second model's worth of memory per call).
+  every parameter per call (a second model's worth of memory per call). With images, their soft-token count is
+  checked against the prompt's image tokens first (`vision.check_image_tokens`).
   """
+  if pixel_values is not None:
+    pixel_values, image_position_ids = vision.check_image_tokens(model.config, input_ids, pixel_values,
+                                                                 image_position_ids)
   graphdef, state = nnx.split(model)
   return _forward(graphdef, state, input_ids, decoder_input_ids, attention_mask, self_conditioning_logits,
-                  self_conditioning_mask)
+                  self_conditioning_mask, pixel_values, image_position_ids)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -88,6 +88,8 @@ def generate(
     callback: Callable[[StepInfo], Any] | None = None,
     return_trajectory: bool = False,
     mesh: Mesh | None = None,
+    pixel_values: Any = None,
+    image_position_ids: Any = None,
 ) -> GenerateOutput:
   """Samples `config.max_new_tokens` tokens (rounded up to whole canvases) after `input_ids`.
 
@@ -118,6 +120,13 @@ def generate(
       multiple of their size), the parameters placed by the logical-axis rules (already sharded ones, e.g. by
       `sharding.shard_model`, stay put). Multi-host: every process passes the same whole batch; every process
       gets the whole output. None: one device.
+    pixel_values: `[N, P, 3 * patch^2]` float, the patches of the `N` images of the whole batch (values in [0, 1],
+      padding patches anywhere), as transformers' Gemma 4 image processor gives them; needs a model with a vision
+      tower. Their soft tokens replace the prompts' `image_token_id` tokens in row-major order (image 0's first),
+      so `input_ids` must hold exactly one image token per soft token
+      (`hackable_diffusion.model.vision.num_soft_tokens`). The tower runs once, in the prompt's encoder pass; the
+      denoising steps read the KV cache only.
+    image_position_ids: `[N, P, 2]` int, each patch's (x, y) in its image's patch grid; (-1, -1) on padding.
 
   Returns:
     A `GenerateOutput` (see there).
@@ -125,9 +134,11 @@ def generate(
   p = prepare(model, GenerateRequest(
       input_ids=input_ids, config=config, rng=rng, attention_mask=attention_mask, seed_canvas=seed_canvas,
       pinned=pinned, allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
-      acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh))
+      acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh,
+      pixel_values=pixel_values, image_position_ids=image_position_ids))
   graphdef, state = nnx.split(model)
   encode = programs.encode_program(graphdef, p.mesh)
+  encode_prompt = _prompt_encoder(graphdef, p)
   place, to_host = _placement(p.mesh)
   if p.row_keys is None:
     denoise = programs.denoise_program(graphdef, p.static, p.mesh)
@@ -154,7 +165,8 @@ def generate(
     # encode: the new prefix (the prompt, then the last committed canvas) into the cache
     lengths = place(jnp.full((p.batch,), length, jnp.int32))
     with _activations(p.mesh):
-      cache = encode(state, cache, place(new_ids), place(new_mask), lengths)
+      run = encode_prompt if k == 0 else encode
+      cache = run(state, cache, place(new_ids), place(new_mask), lengths)
     # denoise: with a pad token, rows finished in earlier canvases are frozen (transformers still denoises them
     # but overwrites the result with pad and does not count their forwards; the output is the same)
     key, canvas_key = jax.random.split(key)
@@ -176,6 +188,20 @@ def generate(
     new_ids, new_mask = block, np.ones((p.batch, p.canvas_length), bool)
     length += p.canvas_length
   return _output(p, blocks, step_counts, trajectories)
+
+
+def _prompt_encoder(graphdef: nnx.GraphDef, p: Prepared) -> Callable[..., Any]:
+  """The encoder call of the prompt: `encode_program`'s, or with images `encode_images_program`'s with the images
+  bound (placed whole on every device of a mesh: the images are not split like the rows)."""
+  if p.pixel_values is None:
+    return programs.encode_program(graphdef, p.mesh)
+  program = programs.encode_images_program(graphdef, p.mesh)
+  if p.mesh is None:
+    pixels, positions = jnp.asarray(p.pixel_values), jnp.asarray(p.image_position_ids)
+  else:
+    everywhere = sharding_lib.replicated(p.mesh)
+    pixels, positions = _put(p.pixel_values, everywhere), _put(p.image_position_ids, everywhere)
+  return lambda state, cache, ids, mask, lengths: program(state, cache, ids, mask, lengths, pixels, positions)
 
 
 def _per_row_denoise(program: programs.Program, p: Prepared, place: Callable[[Any], Any]) -> Callable[..., Any]:

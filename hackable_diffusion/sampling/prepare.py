@@ -3,8 +3,9 @@
 Checks (one-line `ValueError`s naming the argument and the bad value or shape): the config type, the PRNG key,
 token ids inside the vocabulary, 2-D integer ids, mask shapes and values, seed canvases of whole canvases no longer
 than the generation, pins only with a seed canvas and of its shape, a non-empty allowed set (ids or a `[V]` /
-`[B, V]` mask), the task structure's shape, a callable callback, a valid acceptance rule (`ConfigError`), and a
-mesh that can split the batch. Nothing is placed on a device here; `generate` does that.
+`[B, V]` mask), the task structure's shape, a callable callback, a valid acceptance rule (`ConfigError`), a
+mesh that can split the batch, and images the model can take (one image token per soft token of the images).
+Nothing is placed on a device here; `generate` does that.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model import structure as structure_lib
+from hackable_diffusion.model import vision
 from hackable_diffusion.sampling import rules
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseStatic, StepInfo
@@ -47,6 +49,8 @@ class GenerateRequest:
   callback: Callable[[StepInfo], Any] | None = None
   return_trajectory: bool = False
   mesh: Mesh | None = None
+  pixel_values: Any = None
+  image_position_ids: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -61,6 +65,8 @@ class Prepared:
   allowed: `[B, V]` bool or None. structure: `[B|1, N|1, C, P + C]` bool jax array or None.
   rule: the acceptance rule; rule_arg: the rule with its leaves as traced-ready arrays (None for a static rule).
   static: the options that select the compiled denoising program.
+  pixel_values: `[N, P, 3 p^2]` float32 and image_position_ids: `[N, P, 2]` int32, the prompts' images (None:
+  none), checked against the prompts' image tokens.
   """
 
   config: SamplingConfig
@@ -80,6 +86,8 @@ class Prepared:
   return_trajectory: bool
   mesh: Mesh | None
   static: DenoiseStatic
+  pixel_values: np.ndarray | None = None
+  image_position_ids: np.ndarray | None = None
 
   # ---- derived ----------------------------------------------------------------------------------------------------
   @property
@@ -296,6 +304,11 @@ def prepare(model: Any, request: GenerateRequest) -> Prepared:
     raise ValueError(f"callback must be callable, got {type(r.callback).__name__}")
   rule, rule_arg = _rule(config, r.acceptance)
   _check_mesh(r.mesh, batch)
+  pixels = positions = None
+  if r.pixel_values is not None:
+    pixels, positions = vision.check_image_tokens(model.config, ids, r.pixel_values, r.image_position_ids)
+  elif r.image_position_ids is not None:
+    raise ValueError("image_position_ids was given without pixel_values")
   static = DenoiseStatic(
       vocab_size=vocab,
       stability_threshold=config.stability_threshold,
@@ -312,7 +325,8 @@ def prepare(model: Any, request: GenerateRequest) -> Prepared:
       input_ids=ids.astype(np.int32), attention_mask=mask,
       seed_canvas=None if seeds is None else seeds.astype(np.int32), pinned=pins, allowed=allowed,
       structure=structure, rule=rule, rule_arg=rule_arg, callback=r.callback,
-      return_trajectory=bool(r.return_trajectory), mesh=r.mesh, static=static)
+      return_trajectory=bool(r.return_trajectory), mesh=r.mesh, static=static, pixel_values=pixels,
+      image_position_ids=positions)
 
 
 __all__ = ["GenerateRequest", "Prepared", "prepare"]

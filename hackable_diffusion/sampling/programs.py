@@ -1,10 +1,10 @@
 """The sampler's compiled programs and their one bounded cache.
 
-`generate` runs two programs per canvas: `encode` (the new prefix into the KV cache) and `denoise` (the whole
-denoising loop, `sampling.denoise`). Each is a `jax.jit` function built once per (kind, model graph, static
-options, mesh) and kept in `PROGRAMS`, a least-recently-used cache of at most `MAX_PROGRAMS` entries (inside, jit
-keeps one executable per argument shape / tree structure, e.g. per acceptance-rule class). This cache is the
-module's only mutable state.
+`generate` runs two programs per canvas: `encode` (the new prefix into the KV cache; for a prompt with images,
+`encode_images`, which also runs the vision tower) and `denoise` (the whole denoising loop, `sampling.denoise`).
+Each is a `jax.jit` function built once per (kind, model graph, static options, mesh) and kept in `PROGRAMS`, a
+least-recently-used cache of at most `MAX_PROGRAMS` entries (inside, jit keeps one executable per argument shape /
+tree structure, e.g. per acceptance-rule class). This cache is the module's only mutable state.
 
 A `Program` owns what belongs to it: how often it was traced (also added to its cache's per-kind totals, which
 `trace_counts()` reads, so evicted programs still count) and the step callbacks of the calls in flight. A call
@@ -140,6 +140,25 @@ def encode_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Program:
   return PROGRAMS.get(key, "encode", build, donate_argnums=(1,))
 
 
+def encode_images_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Program:
+  """`(state, cache, ids [B, L], mask [B, L], length [B], pixel_values [N, P, D], positions [N, P, 2]) -> cache`:
+  `encode_program` for a prompt with images: the vision tower runs once, inside this program, and its soft tokens
+  take the places of the prompt's image tokens. The cache is donated."""
+
+  def build(program: Program) -> Callable[..., Any]:
+    def encode(state, cache, ids, mask, length, pixel_values, positions, call_id):
+      del call_id  # no step callbacks
+      program.on_trace()
+      model = nnx.merge(graphdef, state)
+      _, cache = model.encode(ids, cache, mask, model.image_features(pixel_values, positions))
+      return cache.replace(length=length)
+
+    return encode
+
+  key = ("encode_images", graphdef) if mesh is None else ("encode_images", graphdef, mesh)
+  return PROGRAMS.get(key, "encode", build, donate_argnums=(1,))
+
+
 def denoise_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStatic, mesh: Mesh | None = None) -> Program:
   """The compiled denoising loop of one canvas (`denoise.make_denoise`; call it without the trailing call id)."""
 
@@ -172,6 +191,27 @@ def encode_rows_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Pro
   return PROGRAMS.get(key, "encode_rows", build, donate_argnums=(1,))
 
 
+def encode_rows_images_program(graphdef: nnx.GraphDef, mesh: Mesh | None = None) -> Program:
+  """`encode_rows_program` for prompts with images: `(state, cache, ids, mask, length, which, reset, pixel_values
+  [N, P, D], positions [N, P, 2]) -> cache`, the images' soft tokens (the vision tower runs inside) taking the places
+  of the image tokens of `ids` in row-major order. The cache is donated."""
+
+  def build(program: Program) -> Callable[..., Any]:
+    def encode(state, cache, ids, mask, length, which, reset, pixel_values, positions, call_id):
+      del call_id
+      program.on_trace()
+      model = nnx.merge(graphdef, state)
+      start = cache.replace(length=jnp.where(reset, 0, cache.length), valid=cache.valid & ~reset[:, None])
+      _, new = model.encode(ids, start, mask, model.image_features(pixel_values, positions))
+      new = new.replace(length=length)
+      return new.where_rows(which, cache)
+
+    return encode
+
+  key = ("encode_rows_images", graphdef) if mesh is None else ("encode_rows_images", graphdef, mesh)
+  return PROGRAMS.get(key, "encode_rows", build, donate_argnums=(1,))
+
+
 def copy_rows_program() -> Program:
   """`(cache, source, index [B], which [B]) -> cache`: row `i` of the rows `which` becomes row `index[i]` of
   `source` (a cache of the same layout with at most as many slots, e.g. prompts encoded ahead of time); every other
@@ -201,4 +241,5 @@ def denoise_rows_program(graphdef: nnx.GraphDef, static: denoise_lib.DenoiseStat
 
 
 __all__ = ["MAX_PROGRAMS", "PROGRAMS", "Program", "ProgramCache", "clear_cache", "copy_rows_program", "denoise_program",
-           "denoise_rows_program", "encode_program", "encode_rows_program", "trace_counts"]
+           "denoise_rows_program", "encode_images_program", "encode_program", "encode_rows_images_program",
+           "encode_rows_program", "trace_counts"]

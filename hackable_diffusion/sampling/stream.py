@@ -12,7 +12,10 @@ programs (encode rows, copy rows, denoise chunk) compile once per stream configu
 Every row has its own key (the request's, else `fold_in(rng, index)`) and its canvas `k` starts from
 `fold_in(key, k)`: a row's sequence depends on its own key and inputs only, and equals what
 `generate(prompts, rng=<the same keys, one per row>)` gives it in one fixed batch (tests/sampling/test_stream.py).
-Prompts are left-padded to `prompt_length` (as `generate` pads a batch to its longest prompt).
+Prompts are left-padded to `prompt_length` (as `generate` pads a batch to its longest prompt). A request may carry
+images (`StreamRequest.pixel_values` / `image_position_ids`, as `generate`'s for one row): the vision tower runs in
+the staging encoder pass of its block, whose images are stacked (patches padded to the block's widest, the image
+count padded to a power of two with empty images that feed no token), so few image counts compile.
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ Array = jax.Array
 class StreamRequest:
   """One prompt of a stream. input_ids `[P]`; attention_mask `[P]` (False on left padding; None: all tokens);
   seed_canvas / pinned `[k * C]` (as `generate`'s rows); key: the row's `jax.random` key (None:
-  `fold_in(rng, index)`)."""
+  `fold_in(rng, index)`); pixel_values `[N, patches, 3 p^2]` / image_position_ids `[N, patches, 2]`: the prompt's
+  images (as `generate`'s, for this prompt alone)."""
 
   input_ids: Any
   attention_mask: Any = None
   seed_canvas: Any = None
   pinned: Any = None
   key: Array | None = None
+  pixel_values: Any = None
+  image_position_ids: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +227,32 @@ def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width:
   as_row = (lambda x: None if x is None else np.asarray(x)[None])
   try:
     return prepare(model, GenerateRequest(input_ids=padded, config=config, rng=rng, attention_mask=mask,
-                                          seed_canvas=as_row(request.seed_canvas), pinned=as_row(request.pinned)))
+                                          seed_canvas=as_row(request.seed_canvas), pinned=as_row(request.pinned),
+                                          pixel_values=request.pixel_values,
+                                          image_position_ids=request.image_position_ids))
   except ValueError as e:
     raise type(e)(f"generate_stream: request {index}: {e}") from None
+
+
+def stacked_images(requests: list[Prepared]) -> tuple[Array, Array] | None:
+  """The images of `requests` in row order as one batch (pixel_values `[N, patches, D]`, positions `[N, patches,
+  2]`), or None when none has any. Patches are padded to the widest request's (padding patches change no soft
+  token), and the image count up to a power of two with empty images (all padding: their soft tokens come after
+  every real one and fill no image token), so that blocks with a similar number of images share one program."""
+  given = [(r.pixel_values, r.image_position_ids) for r in requests if r.pixel_values is not None]
+  if not given:
+    return None
+  n = sum(p.shape[0] for p, _ in given)
+  width = max(p.shape[1] for p, _ in given)
+  count = 1 << max(n - 1, 0).bit_length()
+  pixels = np.zeros((count, width, given[0][0].shape[2]), np.float32)
+  positions = np.full((count, width, 2), -1, np.int32)
+  row = 0
+  for p, pos in given:
+    pixels[row:row + p.shape[0], :p.shape[1]] = p
+    positions[row:row + p.shape[0], :p.shape[1]] = pos
+    row += p.shape[0]
+  return jnp.asarray(pixels), jnp.asarray(positions)
 
 
 def _placed_like(state: Any, tree: Any) -> Any:
@@ -260,6 +289,7 @@ class _Runner:
     self.cache = _placed_like(self.state, model.init_cache(batch, self.width + (shared.num_canvases - 1) * canvas))
     self.staging = _placed_like(self.state, model.init_cache(batch, self.width))  # prompts encoded ahead
     self.encode = programs.encode_rows_program(graphdef)
+    self.encode_images = programs.encode_rows_images_program(graphdef) if model.config.vision is not None else None
     self.copy = programs.copy_rows_program()
     self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
     self.rows = _placed_like(self.state, rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype,
@@ -285,8 +315,9 @@ class _Runner:
       ids[j, :p], mask[j, :p] = request.input_ids[0], request.attention_mask[0]
       lengths[j] = p
     which = jnp.asarray(np.arange(self.batch) < len(block))
-    self.staging = self.encode(self.state, self.staging, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(lengths),
-                               which, which)
+    args = (self.state, self.staging, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(lengths), which, which)
+    images = stacked_images([slot.request for slot in block])
+    self.staging = self.encode(*args) if images is None else self.encode_images(*args, *images)
 
   def take_staged(self, slots: list[_Slot | None], which: np.ndarray, source: np.ndarray) -> None:
     """Slot `i` of `which` gets the staging cache's row `source[i]` (its prompt); the other slots are unchanged."""
@@ -334,4 +365,4 @@ class _Runner:
     return jax.random.key_data(jax.random.key(0, impl=self.shared.key_impl)).shape
 
 
-__all__ = ["StreamOutput", "StreamRequest", "generate_stream", "longest_first"]
+__all__ = ["StreamOutput", "StreamRequest", "generate_stream", "longest_first", "stacked_images"]
