@@ -6,8 +6,11 @@
   python -m hackable_diffusion.export --checkpoint=HF_DIR [--adapter=PEFT_DIR] --out=DIR --format=peft|merged
 
 From a workdir: the checkpoint of `--step` (default: the latest) of a run of `hackable_diffusion.train`, with the
-run's tokenizer and its evaluation sampler settings as generation defaults. From `--checkpoint`: a HF
-DiffusionGemma directory, optionally with a PEFT adapter on top (e.g. to merge an adapter trained elsewhere).
+run's tokenizer and its evaluation sampler settings as generation defaults. `--format=peft` of a workdir reads the
+adapters alone (`runs.run.load_run_adapters`): the base model is never loaded. `--format=merged` folds the adapters
+in one layer at a time as it writes (the model plus one layer in memory, `interop.hf_write.save_merged`).
+From `--checkpoint`: a HF DiffusionGemma directory, optionally with a PEFT adapter on top (e.g. to merge an
+adapter trained elsewhere).
 
 `--format=merged` folds the adapters into the weights (each update once; PEFT's `merge_and_unload()` is wrong on
 this model, see docs/lora.md) and writes config.json + safetensors (`--dtype`, default bfloat16) +
@@ -79,7 +82,10 @@ def _source() -> dict:
     from hackable_diffusion.data.tokenizer import find_tokenizer_file
     from hackable_diffusion.runs import run as run_lib
 
-    run = run_lib.load_run(_WORKDIR.value, step=_STEP.value, trust_remote_code=cli.trust_requested())
+    if _FORMAT.value == "peft":  # the adapters alone: the base is never read (a LoRA checkpoint holds none)
+      run = run_lib.load_run_adapters(_WORKDIR.value, step=_STEP.value, trust_remote_code=cli.trust_requested())
+    else:
+      run = run_lib.load_run(_WORKDIR.value, step=_STEP.value, trust_remote_code=cli.trust_requested())
     cfg = run.config
     # the workdir itself: copy_tokenizer copies tokenizer.json/.model, tokenizer_config.json, chat_template.jinja
     has_tok = find_tokenizer_file(_WORKDIR.value) is not None

@@ -3,8 +3,9 @@
 - `export_peft`: `adapter_model.safetensors` + `adapter_config.json` for `PeftModel.from_pretrained(base, dir)`
   on transformers' `DiffusionGemmaForBlockDiffusion` (see `hackable_diffusion.interop.peft`).
 - `export_merged`: adapters folded into the weights (`hackable_diffusion.lora.merge`, each update added once;
-  PEFT's own `merge_and_unload()` adds it once per mode on this model, see docs/lora.md), written with
-  `hd.save_pretrained`, plus a `generation_config.json` that transformers reads into its
+  PEFT's own `merge_and_unload()` adds it once per mode on this model, see docs/lora.md) one layer at a time as
+  they are written (`interop.hf_write.save_merged`: the model as it is plus one layer in memory), plus a
+  `generation_config.json` that transformers reads into its
   `DiffusionGemmaGenerationConfig` (our sampling defaults) and the tokenizer. This is what vLLM serves (its
   DiffusionGemma has no LoRA support).
 
@@ -24,10 +25,9 @@ from flax import nnx
 
 from hackable_diffusion.errors import AdapterError, CheckpointError, ConfigError
 from hackable_diffusion.files import write_atomic, write_json
-from hackable_diffusion.interop import hf
+from hackable_diffusion.interop import hf_write
 from hackable_diffusion.interop import peft as peft_io
 from hackable_diffusion.lora.adapters import has_lora
-from hackable_diffusion.lora.merge import merge
 from hackable_diffusion.sampling.config import SamplingConfig
 
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -174,7 +174,9 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
                   overwrite: bool = False, quantize: str | None = None) -> dict[str, Any]:
   """Writes a full HF checkpoint (`config.json`, safetensors, `generation_config.json`, tokenizer).
 
-  Adapters, if any, are folded in first (`lora.merge`). `dtype`: 'bfloat16' (default, serving) or 'float32'.
+  Adapters, if any, are folded in layer by layer as the layers are written (`hf_write.save_merged`: the model as it
+  is plus one merged layer in memory, the same files as `save_pretrained(lora.merge(model))`). `dtype`: 'bfloat16'
+  (default, serving) or 'float32'.
   `quantize`: 'fp8' / 'nvfp4' (attention, dense MLP and experts in compressed-tensors FP8 / NVFP4, the layout vLLM
   loads) or 'fp8-linear' / 'nvfp4-linear' (experts dense: what transformers loads); `interop.quantized_export`.
   `vision_source`: a HF checkpoint whose vision tower is copied (default: a tiny stub; see `hd.save_pretrained`).
@@ -185,8 +187,7 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
   gen = generation_config(model.config, generation_defaults)  # validate before writing anything
   vision = (vision_source,) if vision_source and os.path.isdir(vision_source) else ()
   check_out_dir(out_dir, overwrite=overwrite, protect=vision)  # its vision tower is read while writing
-  plain = merge(model) if has_lora(model) else model
-  hf.save_pretrained(plain, out_dir, dtype=dtype, vision_source=vision_source, quantize=quantize)
+  hf_write.save_merged(model, out_dir, dtype=dtype, vision_source=vision_source, quantize=quantize)
   path = write_json(os.path.join(out_dir, GENERATION_CONFIG_NAME), gen)
   written: dict[str, Any] = {"checkpoint": out_dir, "generation_config": path}
   if tokenizer_path:

@@ -21,20 +21,21 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import flax as safetensors_flax
 from safetensors import safe_open
 
 from hackable_diffusion.errors import AdapterError
-from hackable_diffusion.files import read_json, write_json
+from hackable_diffusion.files import makedirs_no_link, read_json, write_json
 from hackable_diffusion.interop.names import DECODER, DECODER_LAYERS, ENCODER_LAYERS, hf_name
+from hackable_diffusion.interop.safetensors_io import write_file
 from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, apply_lora,
                                               has_lora, lora_modules, targetable)
+from hackable_diffusion.lora.merge import layer_module
 from hackable_diffusion.model import scan
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -104,9 +105,24 @@ def _expert_module_name(module: str, targets: tuple[str, ...], name: str) -> str
   return module + _BASE * depth
 
 
+def adapter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], LoRALinear | LoRAExperts]]:
+  """(path as in the unrolled model, module) of every adapter of `model`; a stacked model's layers are sliced one
+  at a time, their adapters only (`lora.merge.layer_module`): the base weights are never read, so a model whose
+  base is shapes only (`runs.run.load_run_adapters`) works too."""
+  if not scan.is_scanned(model):
+    yield from lora_modules(model)
+    return
+  for i in range(len(model.layers)):
+    for path, m in lora_modules(layer_module(model, i, adapters_only=True)):
+      yield ("layers", i, *path), m
+  for path, m in lora_modules(model):
+    if path[0] != "layers":
+      yield path, m
+
+
 def adapter_state(model: nnx.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   """(PEFT tensors by name, the fields of adapter_config.json that depend on the model)."""
-  mods = list(lora_modules(scan.unstack_layers(model)))  # a scanned model's adapters, layer by layer
+  mods = list(adapter_modules(model))
   if not mods:
     raise AdapterError("the model has no LoRA adapters (apply_lora it, or export the merged model instead)")
   tensors: dict[str, np.ndarray] = {}
@@ -186,22 +202,18 @@ def save_adapter(model: nnx.Module, out_dir: str, base_model_name_or_path: str |
                  dtype: str | None = None) -> dict[str, str]:
   """Writes `out_dir/adapter_model.safetensors` + `adapter_config.json` for `PeftModel.from_pretrained`.
 
-  `dtype`: storage dtype of the factors (default: the adapter parameter dtype). Returns the written paths.
+  `dtype`: storage dtype of the factors (default: the adapter parameter dtype). Returns the written paths. Only
+  the adapters are read (`adapter_modules`), so `model`'s base may be shapes only. Both files are written through a
+  fresh temporary file and a rename; a symbolic link at either name is refused (`UnsafePathError`), never followed.
   """
   tensors, fields = adapter_state(model)
-  os.makedirs(out_dir, exist_ok=True)
+  makedirs_no_link(out_dir)
   weights = os.path.join(out_dir, ADAPTER_WEIGHTS_NAME)
   config = os.path.join(out_dir, ADAPTER_CONFIG_NAME)
-  _save_safetensors({k: jnp.asarray(v, dtype=dtype or v.dtype) for k, v in tensors.items()}, weights)
+  cast = {id(v): v if dtype is None else np.asarray(jnp.asarray(v, dtype)) for v in tensors.values()}  # once each
+  write_file(weights, {k: cast[id(v)] for k, v in tensors.items()}, metadata={"format": "pt"})
   write_json(config, _config_json(fields, base_model_name_or_path))
   return {"weights": weights, "config": config}
-
-
-def _save_safetensors(tensors: Mapping[str, Any], file: str) -> None:
-  """Through a temporary file and a rename; the flax writer handles bfloat16, unlike the numpy one."""
-  tmp = file + ".tmp"
-  safetensors_flax.save_file(dict(tensors), tmp, metadata={"format": "pt"})
-  os.replace(tmp, file)
 
 
 # ---- import -----------------------------------------------------------------------------------------------------
@@ -296,7 +308,7 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
       mode, rel = "dec", module[len(DECODER):]
     else:
       raise AdapterError(f"{file}: tensor {key!r} adapts {module!r}, which is not part of the text model "
-                         "(hackable_diffusion is text-only)")
+                         "(adapters of the vision tower are not supported)")
     if rel in expert_modules:
       targeted = _targeted_params(module, config.get("target_parameters"))
       if depth >= len(targeted):
@@ -389,5 +401,5 @@ def _set_factors(model: nnx.Module, mpath: tuple[Any, ...], param: str | None, a
   vb.value = jnp.asarray(b.reshape(d_out, r, e).transpose(2, 1, 0), vb.dtype)
 
 
-__all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "AdapterError", "adapter_config", "adapter_state",
-           "load_adapter", "read_adapter_config", "save_adapter", "target_modules_regex"]
+__all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "AdapterError", "adapter_config", "adapter_modules",
+           "adapter_state", "load_adapter", "read_adapter_config", "save_adapter", "target_modules_regex"]

@@ -237,7 +237,8 @@ def _parts(prefix: str, weight: np.ndarray, s: Scheme, dtype: str,
 
 def quantized_tensors(name: str, value: np.ndarray, s: Scheme, dtype: str,
                       group_amax: dict[str, float]) -> Iterator[tuple[str, np.ndarray]]:
-  """The stored tensors of one quantized HF tensor (`is_quantized(name, s)`; `value` in HF layout, float32).
+  """The stored tensors of one quantized HF tensor (`is_quantized(name, s)`; `value` in HF layout, any float dtype:
+  computed in float32, an expert tensor one expert at a time, so that no float32 copy of it is held whole).
 
   `group_amax`: max |w| of each vLLM fused matrix (`fused_group`), for NVFP4's shared global scales.
   """
@@ -245,7 +246,7 @@ def quantized_tensors(name: str, value: np.ndarray, s: Scheme, dtype: str,
   if m is None:
     group = fused_group(name)
     g = nvfp4_global_scale(group_amax[group]) if s.kind == "nvfp4" and group else None
-    parts = list(_parts(name[: -len("weight")], value, s, dtype, g))
+    parts = list(_parts(name[: -len("weight")], np.asarray(value, np.float32), s, dtype, g))
     yield from parts
     if s.encoder_copies:
       for part, array in parts:
@@ -253,13 +254,14 @@ def quantized_tensors(name: str, value: np.ndarray, s: Scheme, dtype: str,
     return
   prefix = name[: -len(m["proj"])]  # 'model.decoder.layers.L.experts.'
   for e in range(value.shape[0]):
+    expert = np.asarray(value[e], np.float32)
     if m["proj"] == "down_proj":
-      yield from _parts(f"{prefix}{e}.down_proj.", value[e], s, dtype, None)
+      yield from _parts(f"{prefix}{e}.down_proj.", expert, s, dtype, None)
       continue
     half = value.shape[1] // 2
-    g = nvfp4_global_scale(np.max(np.abs(value[e]))) if s.kind == "nvfp4" else None
-    yield from _parts(f"{prefix}{e}.gate_proj.", value[e, :half], s, dtype, g)
-    yield from _parts(f"{prefix}{e}.up_proj.", value[e, half:], s, dtype, g)
+    g = nvfp4_global_scale(np.max(np.abs(expert))) if s.kind == "nvfp4" else None
+    yield from _parts(f"{prefix}{e}.gate_proj.", expert[:half], s, dtype, g)
+    yield from _parts(f"{prefix}{e}.up_proj.", expert[half:], s, dtype, g)
 
 
 def stored_shapes(name: str, shape: tuple[int, ...], s: Scheme | None,

@@ -252,10 +252,10 @@ class LoRAExperts(moe.Experts):
       setattr(self, f"{name}_lora_a", _lora_param(a, (axes[0], axes[2], None)))
       setattr(self, f"{name}_lora_b", _lora_param(b, (axes[0], None, axes[1])))
 
-  def delta(self, name: str) -> Array:
-    """The update of Param `name` [E, out, in] in float32."""
-    a = getattr(self, f"{name}_lora_a")[...].astype(jnp.float32)
-    b = getattr(self, f"{name}_lora_b")[...].astype(jnp.float32)
+  def delta(self, name: str, experts: slice = slice(None)) -> Array:
+    """The update of Param `name` [E, out, in] in float32 (`experts`: of those experts only, the same values)."""
+    a = getattr(self, f"{name}_lora_a")[...][experts].astype(jnp.float32)
+    b = getattr(self, f"{name}_lora_b")[...][experts].astype(jnp.float32)
     return self.scale * jnp.einsum("eir,ero->eoi", a, b)
 
   def expert_weights(self, **base_kwargs: Any) -> tuple[Array, Array]:

@@ -8,10 +8,18 @@ whose encoder and decoder are separate modules with tied weights, adds it once p
 A quantized base (QLoRA, `lora.qlora`) is dequantized in float32 first (values times scales), the update added,
 and the sum cast to the dense parameter dtype; quantized modules without adapters are dequantized too, so the
 result is always a dense model.
+
+`merged_parts` yields the same merged variables one layer at a time (each layer sliced out of a stacked model,
+merged, handed over and dropped), so that a writer holds the model as it is plus one merged layer, never a merged
+copy of the whole model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -47,9 +55,26 @@ def _plain_experts(src: LoRAExperts) -> moe.Experts:
     var = getattr(src, name)
     value = var[...]
     if name in src.targets:
-      value = (value.astype(jnp.float32) + src.delta(name)).astype(value.dtype)
+      value = _merged_experts(src, name, value)
     setattr(new, name, var.replace(value))
   return new
+
+
+# One float32 copy of the experts merged in one step (its temporaries: a few such copies). Not much smaller: blocks
+# of this size are allocated and returned to the system one by one (glibc's mmap threshold tops out at 32 MiB),
+# while many small ones fragment the heap and raise the peak.
+MERGE_CHUNK_BYTES = 32 << 20
+
+
+def _merged_experts(src: LoRAExperts, name: str, value: jax.Array) -> jax.Array:
+  """`value + delta` of expert tensor `name` [E, out, in] in float32, cast back, a few experts at a time: the float32
+  temporaries stay near `MERGE_CHUNK_BYTES` instead of several copies of the whole tensor (the values are the same
+  as in one step: each expert's update is its own matrix product)."""
+  e = value.shape[0]
+  step = max(1, min(e, MERGE_CHUNK_BYTES // max(1, 4 * (value.size // max(e, 1)))))
+  pieces = [(value[i:i + step].astype(jnp.float32) + src.delta(name, slice(i, i + step))).astype(value.dtype)
+            for i in range(0, e, step)]
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 def merge(model: nnx.Module) -> nnx.Module:
@@ -63,6 +88,72 @@ def merge(model: nnx.Module) -> nnx.Module:
     plain = _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module)
     qlora.set_module(model, path, plain)
   return qlora.dequantize_base(model)
+
+
+def _merged_module(module: nnx.Module) -> nnx.Module:
+  """`module` (a fresh copy, changed in place) with its adapters folded in and its quantized base dequantized."""
+  for path, sub in list(lora_modules(module)):
+    plain = _plain_linear(sub) if isinstance(sub, LoRALinear) else _plain_experts(sub)
+    if not path:
+      return plain
+    qlora.set_module(module, path, plain)
+  if qlora.is_quantized(module):
+    return qlora.plain_module(module)
+  return qlora.dequantize_base(module)
+
+
+def layer_module(model: nnx.Module, i: int, *, adapters_only: bool = False) -> nnx.Module:
+  """Layer `i` of `model` as a module of its own, sharing nothing that merging changes: a copy of the graph of an
+  unrolled layer (its arrays shared), or for stacked layers (`model.scan`) a module holding the `i`-th slices (one
+  layer's arrays, copied on the device the stack lives on). `adapters_only`: only the `nnx.LoRAParam`s are sliced,
+  every other variable of a stacked layer holds its shape (`jax.ShapeDtypeStruct`), never read: what reading the
+  adapters needs, also of a model whose base was never loaded (its variables shapes only)."""
+  layers = model.layers
+  if not scan.is_scanned(model):
+    return nnx.clone(layers[i])
+  graphdef, state = nnx.split(layers.blocks[i % layers.period])
+  k = i // layers.period
+
+  def one(a: Any, sliced: bool) -> Any:
+    return a[k] if sliced else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+
+  def take(v: nnx.Variable) -> nnx.Variable:
+    axes = v.get_metadata().get("out_sharding")
+    sliced = not adapters_only or isinstance(v, nnx.LoRAParam)
+    v = v.replace(jax.tree.map(lambda a: one(a, sliced), v.get_value()))
+    return v.replace(out_sharding=tuple(axes)[1:]) if axes else v
+
+  return nnx.merge(graphdef, jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+VariablePath = tuple[Any, ...]
+
+
+def merged_parts(model: nnx.Module) -> Iterator[list[tuple[VariablePath, jax.Array]]]:
+  """The variables of `merge(model)` (same paths, values and order), one part at a time: each layer, and each
+  other top-level module or variable; an unrolled layer's paths start `('layers', i)` whatever the model's form.
+
+  Merging happens on the device the weights are on; a part's arrays are released once the caller drops them, so
+  peak memory is the model as it is plus one merged layer.
+  """
+  tops: list[Any] = []
+  for path, _ in nnx.to_flat_state(nnx.state(model)):
+    if path[0] not in tops:
+      tops.append(path[0])
+  for top in tops:
+    if top == "layers":
+      for i in range(len(model.layers)):  # nothing of layer i is referenced here while layer i + 1 is merged
+        yield _variables(("layers", i), _merged_module(layer_module(model, i)))
+      continue
+    node = getattr(model, top)
+    if isinstance(node, nnx.Variable):
+      yield [((top,), node[...])]
+    else:
+      yield _variables((top,), _merged_module(nnx.clone(node)))
+
+
+def _variables(prefix: VariablePath, module: nnx.Module) -> list[tuple[VariablePath, jax.Array]]:
+  return [((*prefix, *p), v[...]) for p, v in nnx.to_flat_state(nnx.state(module))]
 
 
 def split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:
@@ -79,4 +170,4 @@ def adapter_num_params(model: nnx.Module) -> int:
   return sum(int(v.size) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
 
 
-__all__ = ["adapter_num_params", "merge", "split"]
+__all__ = ["MERGE_CHUNK_BYTES", "VariablePath", "adapter_num_params", "layer_module", "merge", "merged_parts", "split"]

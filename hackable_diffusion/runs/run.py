@@ -480,8 +480,37 @@ def load_run(workdir: str, config: AnyConfig | None = None, step: int | None = N
   return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=step, paths=paths, mesh=mesh)
 
 
+def load_run_adapters(workdir: str, step: int | None = None, *, trust_remote_code: bool = False) -> LoadedRun:
+  """The adapters of checkpoint `step` (default: latest) of a LoRA run, on a model whose base weights are shapes
+  only (`jax.ShapeDtypeStruct`: nothing of the base is read, built or allocated): what writing a PEFT adapter
+  needs (`interop.peft.save_adapter`). `paths` is left empty (no data is read). A one-line `ConfigError` for a
+  run without LoRA."""
+  if not os.path.isdir(workdir):
+    raise CheckpointError(f"{workdir}: no such workdir")
+  cfg = ExperimentConfig.from_config_dict(
+      config_lib.config_from_json(os.path.join(workdir, config_lib.CONFIG_FILENAME),
+                                  trust_remote_code=trust_remote_code), trust_remote_code=trust_remote_code)
+  if cfg.lora is None:
+    raise ConfigError(f"{workdir}: the run has no LoRA adapters (its config has no lora section); export it with "
+                      "format 'merged'")
+  tokenizer = load_run_tokenizer(workdir)
+  model_config = build_model_config(cfg, tokenizer)
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  step = step_to_restore(ckpt_dir, step)
+  abstract = nnx.eval_shape(lambda: apply_lora(cfg, DiffusionGemma(model_config, rngs=nnx.Rngs(cfg.train.seed)))[0])
+  graphdef, params, rest = nnx.split(abstract, nnx.LoRAParam, ...)
+  ckpt = Checkpointer(ckpt_dir, read_only=True)
+  try:
+    params, _, meta = ckpt.restore_variables(params, None, step)
+  finally:
+    ckpt.close()
+  model = nnx.merge(graphdef, params, rest)
+  return LoadedRun(config=cfg, model=model, tokenizer=tokenizer, step=int(meta["step"]),
+                   paths={"train": "", "validation": ""})
+
+
 __all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "available_memory",
            "build_abstract_model", "check_fits_memory",
            "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
            "eval_task", "evaluate_model", "generation_defaults", "is_run_workdir", "load_eval_data", "load_run",
-           "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]
+           "load_run_adapters", "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -201,6 +202,33 @@ def test_workdir_export_peft_cli_and_merged(workdir, tmp_path):
                                      generation_defaults=dict(max_denoising_steps=run.config.eval.early_stopping_steps))
   assert json.load(open(written["generation_config"]))["max_denoising_steps"] == run.config.eval.early_stopping_steps
   assert max_abs_diff(our_logits(hd.load_pretrained(str(tmp_path / "merged")), ids, canvas, sc), ours) <= 1e-4
+
+
+def test_peft_export_of_a_workdir_reads_the_adapters_alone(workdir, tmp_path, monkeypatch):
+  from hackable_diffusion.errors import UnsafePathError
+  from hackable_diffusion.runs import run as run_lib
+
+  base, wd, run = workdir
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the base model was loaded")
+
+  monkeypatch.setattr(run_lib, "build_model", refuse)  # every way load_run reads the base
+  monkeypatch.setattr(run_lib, "load_pretrained", refuse)
+  alone = run_lib.load_run_adapters(wd, step=2)
+  base_vars = nnx.to_flat_state(nnx.state(alone.model, nnx.Not(nnx.LoRAParam)))
+  assert base_vars and all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for _, v in base_vars)
+  ours = export_lib.export_peft(alone.model, str(tmp_path / "alone"), base)
+  full = export_lib.export_peft(run.model, str(tmp_path / "full"), base)
+  for key in ("weights", "config"):
+    assert open(ours[key], "rb").read() == open(full[key], "rb").read(), key
+  victim = tmp_path / "victim"
+  victim.write_text("keep")
+  (tmp_path / "linked").mkdir()
+  os.symlink(victim, tmp_path / "linked" / peft_io.ADAPTER_WEIGHTS_NAME)
+  with pytest.raises(UnsafePathError, match="symbolic link"):
+    peft_io.save_adapter(alone.model, str(tmp_path / "linked"), base)
+  assert victim.read_text() == "keep"
 
 
 # ---- nothing is overwritten without asking ------------------------------------------------------------------------
