@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
       shuffle=True,
       prefetch_batches=2,
       pinned_field="",  # JSON key of a '0'/'1' string of completion tokens known at sampling time (infilling)
+      max_images=-1,  # images per example of chat records with image parts (-1: the most any record has)
   ))
 
   # The SFT objective (docs/reference.md, "Training recipe").
@@ -97,6 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
       eval_at_end=True,
       async_checkpointing=True,
       freeze_router="auto",  # MoE routers kept as loaded when fine-tuning a checkpoint in full ('auto'), or True/False
+      train_vision="none",  # vision tower: 'none' (frozen), 'projector' (embed_vision) or 'all' (full fine-tuning)
   ))
 
   # Accuracy against the denoising-step budget, and with early stopping.

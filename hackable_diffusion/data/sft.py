@@ -3,7 +3,9 @@ batching pipeline (`SFTDataset`, `make_sft_dataset`).
 
 The stages have their own modules, and their public names are re-exported here: data/sft_data_config.py
 (`SFTDataConfig`), data/text_records.py (`read_records`: JSONL lines -> `TextRecord`s, prompt/completion or chat),
-data/sft_records.py (`load_records`: records -> the padded token arrays of `SFTRecords`; `SFTBatch`).
+data/sft_records.py (`load_records`: records -> the padded token arrays of `SFTRecords`; `SFTBatch`),
+data/sft_images.py (the images of chat records: read and preprocessed per batch in the grain map, each example padded
+to `max_images` images).
 
 Batching goes through grain: `MapDataset.range(n).shuffle(seed).repeat(num_epochs).batch(B)`, so
 the order is a pure function of the seed, and the iterator state is a small JSON-serialisable dict

@@ -11,6 +11,9 @@ import os
 from collections.abc import Sequence
 
 from hackable_diffusion.data.chat import ChatTemplate, chat_template_kind, short_repr
+from hackable_diffusion.data.images import ImageProcessorConfig
+
+AUTO_MAX_IMAGES = -1  # `max_images`: the most images any record has
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,11 @@ class SFTDataConfig:
     pinned_field: optional JSON key of a string of '0'/'1' (one per completion token, eos excluded)
       marking completion tokens known at sampling time (infilling, e.g. Sudoku givens). Pinned tokens
       are never corrupted in training and are left out of the diffusion loss; the sampler pins them.
+    max_images: images per example in a batch (chat records whose user turns hold `{"type": "image", "path": ...}`
+      parts, data/sft_images.py): -1 = the most any record has (0 for text-only data); a record with fewer is
+      padded with empty images (no soft tokens), one with more is an error.
+    image_processor: how images become patches (the checkpoint's `processor_config.json`; None = the released
+      checkpoints' settings).
   """
 
   path: str | Sequence[str]
@@ -65,6 +73,8 @@ class SFTDataConfig:
   drop_remainder: bool = True
   prefetch_batches: int = 2
   pinned_field: str | None = None
+  max_images: int = AUTO_MAX_IMAGES
+  image_processor: ImageProcessorConfig | None = None
 
   def __post_init__(self):
     paths = (self.path,) if isinstance(self.path, (str, os.PathLike)) else tuple(self.path)
@@ -112,6 +122,12 @@ class SFTDataConfig:
       raise ValueError(f'num_epochs must be a positive integer or None, got {self.num_epochs!r}')
     if not isinstance(self.seed, int) or isinstance(self.seed, bool):
       raise ValueError(f'seed must be an integer, got {self.seed!r}')
+    if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < AUTO_MAX_IMAGES:
+      raise ValueError(f'max_images must be an integer >= 0, or -1 for the most images of any record, got '
+                       f'{self.max_images!r}')
+    if self.image_processor is not None and not isinstance(self.image_processor, ImageProcessorConfig):
+      raise ValueError(f'image_processor must be an ImageProcessorConfig or None, got '
+                       f'{type(self.image_processor).__name__}')
 
   @property
   def chat_template_kind(self) -> str | None:

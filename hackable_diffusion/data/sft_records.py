@@ -24,7 +24,8 @@ tokens are context. What the two texts are:
   eos. Earlier assistant turns of a multi-turn record are in the prompt and not in the loss; only the final
   assistant turn is trained on. The completion is cut from the rendering of that final assistant message alone, so
   no user, system or tool text can be in the loss; a record whose last message is not from the assistant is an
-  error.
+  error. Image parts of the earlier turns become `boi + image tokens + eoi` in the prompt and their pixels are read
+  per batch (data/sft_images.py); a prompt with images is never truncated.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ from absl import logging
 from flax import struct
 
 from hackable_diffusion.data.chat import ChatTemplate, format_prompt, split_chat
+from hackable_diffusion.data.images import ImageProcessorConfig
 from hackable_diffusion.data.sft_data_config import SFTDataConfig
+from hackable_diffusion.data.sft_images import (LazyImageTokens, RecordImages, check_record_image_tokens,
+                                                expand_record_images, record_images)
 from hackable_diffusion.data.text_records import RecordFields, RecordIndex, RecordTexts, TextRecord, iter_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import DataError
@@ -61,7 +65,8 @@ class SFTBatch:
 
   prompt_ids [B, P] int32 (left-padded), prompt_mask [B, P] bool (True on real tokens),
   completion_ids [B, N*C] int32 (right-padded), completion_mask [B, N*C] bool (True on real
-  completion tokens, eos included).
+  completion tokens, eos included). With images (data/sft_images.py): pixel_values [B, M, max_patches, 3 p^2]
+  float32 and image_position_ids [B, M, max_patches, 2] int32, M images per example (empty ones padded at (-1, -1)).
   """
 
   prompt_ids: Any
@@ -69,6 +74,8 @@ class SFTBatch:
   completion_ids: Any
   completion_mask: Any
   completion_pinned: Any = None  # optional [B, N*C] bool: tokens known at sampling time (infilling)
+  pixel_values: Any = None  # optional [B, M, max_patches, 3 p^2] float32
+  image_position_ids: Any = None  # optional [B, M, max_patches, 2] int32
 
   def num_valid_canvases(self, canvas_length: int):
     """[B] int32: canvases holding at least one completion token (at least 1)."""
@@ -98,6 +105,7 @@ class SFTRecords:
   sources: Sequence[tuple[str, int]]
   stats: dict[str, int]
   completion_pinned: np.ndarray | None = None  # [R, N*C] bool when `pinned_field` is set
+  images: RecordImages | None = None  # when the examples take images (`max_images` > 0)
 
   def __len__(self) -> int:
     return int(self.prompt_ids.shape[0])
@@ -121,6 +129,7 @@ class SFTRecords:
         completion_ids=self.completion_ids[idx],
         completion_mask=_right_mask(self.completion_lengths[idx], self.completion_ids.shape[1]),
         completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
+        **({} if self.images is None else self.images.batch(idx, self.prompt_ids[idx])),
     )
 
   def text_record(self, i: int) -> TextRecord:
@@ -138,6 +147,7 @@ class SFTRecords:
         prompt_ids=self.prompt_ids[idx], prompt_lengths=self.prompt_lengths[idx],
         completion_ids=self.completion_ids[idx], completion_lengths=self.completion_lengths[idx],
         completion_pinned=None if self.completion_pinned is None else self.completion_pinned[idx],
+        images=None if self.images is None else self.images.select(idx),
         prompts=_select(self.prompts, idx), completions=_select(self.completions, idx),
         sources=_select(self.sources, idx))
 
@@ -159,16 +169,17 @@ def _jinja_template(config: SFTDataConfig, tokenizer: Tokenizer) -> ChatTemplate
   return tokenizer.chat_template
 
 
-def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: Tokenizer, stats: dict[str, int]
-                  ) -> tuple[list[int], list[str], list[str], list[bool]]:
+def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: Tokenizer, stats: dict[str, int],
+                  tokens: LazyImageTokens) -> tuple[list[int], list[str], list[str], list[bool], list[int]]:
   """(positions of the kept records, prompt texts, completion texts, whether each prompt text is a rendered jinja
-  template).
+  template, images per record).
 
   A record whose chat template fails (it raised, or no prompt/completion split exists) is a `DataError` naming file
   and line, or skipped under `on_malformed='skip'`; a missing template is always an error."""
   kind = config.chat_template_kind
   template = _jinja_template(config, tokenizer)
-  kept, prompts, completions, templated = [], [], [], []
+  processor = config.image_processor or ImageProcessorConfig()
+  kept, prompts, completions, templated, num_images = [], [], [], [], []
   for position, r in enumerate(records):
     where = f'{r.source[0]}:{r.source[1]}'
     needs_jinja = r.messages is not None or kind in ('jinja', 'tokenizer')
@@ -177,10 +188,12 @@ def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: T
       raise DataError(f'{where}: {what} needs a jinja chat template, but the tokenizer has none (no '
                       f'chat_template.jinja or tokenizer_config.json chat_template beside it) and chat_template '
                       f'is not a jinja template')
+    images = 0
     try:
       if r.messages is not None:
         split = split_chat(template, list(r.messages), where)
-        prompt, completion = split.prompt, split.completion
+        prompt, images = expand_record_images(r, split.prompt, processor, tokens, where)
+        completion = split.completion
       elif needs_jinja:
         prompt = template.render([{'role': 'user', 'content': r.prompt}], add_generation_prompt=True, where=where)
         completion = r.completion
@@ -195,7 +208,8 @@ def _record_texts(records: list[TextRecord], config: SFTDataConfig, tokenizer: T
     prompts.append(prompt)
     completions.append(completion)
     templated.append(needs_jinja)
-  return kept, prompts, completions, templated
+    num_images.append(images)
+  return kept, prompts, completions, templated, num_images
 
 
 def _encode(tokenizer: Tokenizer, texts: list[str], parse_special: list[bool]) -> list[list[int]]:
@@ -233,16 +247,18 @@ class _Rows:
   prompt_lengths: np.ndarray
   completion_lengths: np.ndarray
   completion_pinned: np.ndarray | None
+  num_images: np.ndarray
   file_ids: np.ndarray
   offsets: np.ndarray
   linenos: np.ndarray
 
 
 def _tokenize_chunk(chunk: list[tuple[int, TextRecord]], file_id: int, config: SFTDataConfig, tokenizer: Tokenizer,
-                    stats: dict[str, int], first_unk: list[str]) -> _Rows:
+                    stats: dict[str, int], first_unk: list[str], tokens: LazyImageTokens) -> _Rows:
   """Templates and tokenizes one chunk of `(offset, record)` into padded rows (errors as `load_records` says)."""
   records = [r for _, r in chunk]
-  kept, prompt_texts, completion_texts, templated = _record_texts(records, config, tokenizer, stats)
+  kept, prompt_texts, completion_texts, templated, num_images = _record_texts(records, config, tokenizer, stats,
+                                                                              tokens)
   records = [records[k] for k in kept]
   pins = [r.pinned for r in records]
   sources = [r.source for r in records]
@@ -273,9 +289,14 @@ def _tokenize_chunk(chunk: list[tuple[int, TextRecord]], file_id: int, config: S
       completion_pinned[i, :width] = np.frombuffer(pins[i].encode(), np.uint8)[:width] == ord('1')
     if config.add_bos and not (pt and pt[0] == tokenizer.bos_id):
       pt = [tokenizer.bos_id] + pt
+    check_record_image_tokens(pt, ct, num_images[i], tokens, sources[i])
     if config.append_eos:
       ct = ct + [tokenizer.eos_id]
     if len(pt) > P:
+      if num_images[i]:
+        f, n = sources[i]
+        raise DataError(f'{f}:{n}: prompt with {num_images[i]} image(s) is {len(pt)} tokens, longer than '
+                        f'max_prompt_length={P} (a prompt with images is never truncated); raise max_prompt_length')
       if not truncate:
         f, n = sources[i]
         fix = ("the model's attention structure reads exactly that many prompt tokens (e.g. one per grid cell, "
@@ -308,7 +329,7 @@ def _tokenize_chunk(chunk: list[tuple[int, TextRecord]], file_id: int, config: S
 
   return _Rows(prompt_ids=prompt_ids, completion_ids=completion_ids, prompt_lengths=prompt_lengths,
                completion_lengths=completion_lengths, completion_pinned=completion_pinned,
-               file_ids=np.full((num,), file_id, np.int32),
+               num_images=np.asarray(num_images, np.int32).reshape(num), file_ids=np.full((num,), file_id, np.int32),
                offsets=np.asarray([chunk[k][0] for k in kept], np.int64).reshape(num),
                linenos=np.asarray([n for _, n in sources], np.int32).reshape(num))
 
@@ -333,11 +354,12 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
                         messages_field=config.messages_field)
   rows: list[_Rows] = []
   first_unk = ['']
+  tokens = LazyImageTokens(tokenizer)
   for file_id, p in enumerate(config.paths):
     read = 0
     for chunk in _chunks(iter_records(p, fields, stats), CHUNK_RECORDS):
       read += len(chunk)
-      rows.append(_tokenize_chunk(chunk, file_id, config, tokenizer, stats, first_unk))
+      rows.append(_tokenize_chunk(chunk, file_id, config, tokenizer, stats, first_unk, tokens))
       del chunk  # before the next one is read
     if not read:
       what = 'no records' if not stats['skipped_malformed'] else 'no valid records'
@@ -356,8 +378,11 @@ def load_records(path: str | Sequence[str] | None, config: SFTDataConfig,
   (logging.warning if any(stats.values()) else logging.info)(msg)
   index = RecordIndex(paths=tuple(os.fspath(p) for p in config.paths), file_ids=joined('file_ids'),
                       offsets=joined('offsets'), linenos=joined('linenos'), fields=fields)
+  images = record_images(config, index, joined('num_images'), tokens)
   return SFTRecords(prompt_ids=joined('prompt_ids'), prompt_lengths=joined('prompt_lengths'),
                     completion_ids=joined('completion_ids'), completion_lengths=joined('completion_lengths'),
                     prompts=RecordTexts(index, 'prompt'), completions=RecordTexts(index, 'completion'),
                     sources=RecordTexts(index, 'source'), stats=stats,
-                    completion_pinned=None if config.pinned_field is None else joined('completion_pinned'))
+                    completion_pinned=None if config.pinned_field is None else joined('completion_pinned'),
+                    images=images)
+

@@ -16,6 +16,10 @@ built-in name of `LOSS_TERMS` or 'package.module:Factory' naming a researcher's 
   path-measure KL with reverse rates `R(z->y) = (beta_t / N) * xbar_y / xbar_z`, `xbar = N alpha_t x + 1 - alpha_t`,
   `beta_t = -alpha'_t / alpha_t`, and the model's rates using `x_theta = softmax(logits)` in place of `x`.
 
+Images (a batch with `pixel_values`, data/sft_images.py): the vision tower runs once per batch on every example's
+images and its soft tokens take the place of the prompt's image tokens in the encoder pass (`batch_image_features`);
+the decoder reads them through the KV cache, as at sampling time.
+
 Self-conditioning: with probability `self_conditioning_prob` per example, a first decoder pass without
 self-conditioning is run, its logits (gradient stopped) feed the second pass; otherwise the second pass has a
 zero soft embedding (identical to the first pass). The loss is on the second pass.
@@ -347,6 +351,19 @@ def get_loss_term(variant: str) -> LossTerm:
   return term
 
 
+def batch_image_features(model, pixel_values: jax.Array, image_position_ids: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+  """pixel_values [B, M, P, D], image_position_ids [B, M, P, 2] -> the model's `image_features` of the B * M images
+  in example order ([B * M, P / k^2, H], mask [B * M, P / k^2]), the mask False on every slot of an empty (all
+  padding) image, so padding images give no soft tokens."""
+  b, m = pixel_values.shape[:2]
+  pixels = pixel_values.reshape(b * m, *pixel_values.shape[2:])
+  positions = image_position_ids.reshape(b * m, *image_position_ids.shape[2:]).astype(jnp.int32)
+  features, mask = model.image_features(pixels, positions)
+  real = jnp.any(positions >= 0, axis=(1, 2))  # [B * M]
+  return features, mask & real[:, None]
+
+
 def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
                    noise: NoisedCanvas | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Total loss (scalar) and metrics for one batch. `noise` overrides the random draws (tests)."""
@@ -363,7 +380,11 @@ def diffusion_loss(model, batch: SFTBatch, key: jax.Array, config: LossConfig,
   ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids[:, :context]], axis=1).astype(jnp.int32)
   mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask[:, :context]], axis=1).astype(bool)
   cache = model.init_cache(ids.shape[0], ids.shape[1])
-  hidden, cache = model.encode(ids, cache, mask)
+  if batch.pixel_values is None:
+    hidden, cache = model.encode(ids, cache, mask)
+  else:
+    images = batch_image_features(model, batch.pixel_values, batch.image_position_ids)
+    hidden, cache = model.encode(ids, cache, mask, image_features=images)
   if not config.encoder_gradients:
     cache = jax.lax.stop_gradient(cache)  # the encoder runs forward only
   metrics: dict[str, jax.Array] = {}

@@ -26,6 +26,7 @@ and overriding config files, and a run's `config.json`, in `runs.config_files` (
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -193,6 +194,8 @@ class DataSection:
   max_prompt_length / max_canvases: prompt tokens (left-padded) and completion canvases per example.
   pinned_field: '' or the JSON key of a '0'/'1' string marking completion tokens known at sampling time
     (infilling): never corrupted in training, pinned by the sampler in evaluation.
+  max_images: images per example of chat records with image parts (-1: the most any record has; fewer are padded
+    with empty images).
   """
 
   generator: str = ""
@@ -212,6 +215,7 @@ class DataSection:
   shuffle: bool = True
   prefetch_batches: int = 2
   pinned_field: str = ""
+  max_images: int = -1
 
   def __post_init__(self):
     if not self.generator and not self.train_path:
@@ -219,6 +223,9 @@ class DataSection:
     for name in ("max_prompt_length", "max_canvases"):
       _positive_int("data", name, getattr(self, name))
     _positive_int("data", "prefetch_batches", self.prefetch_batches, allow_zero=True)
+    if not _is_int(self.max_images) or self.max_images < -1:
+      raise ConfigError(f"data.max_images={self.max_images!r}; expected an integer >= 0, or -1 (the most images of "
+                        "any record)")
     if self.on_overlength not in ("error", "truncate"):
       raise ConfigError(f"data.on_overlength={self.on_overlength!r}; expected 'error' or 'truncate'")
     if self.on_malformed not in ("error", "skip"):
@@ -229,6 +236,11 @@ class DataSection:
                         f"template, or be 'tokenizer' (the tokenizer's chat template)")
 
 
+# train.train_vision -> the vision modules training keeps unchanged
+VISION_TRAINING = types.MappingProxyType({"none": ("vision_tower", "embed_vision"), "projector": ("vision_tower",),
+                                          "all": ()})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
   """The loop. Intervals count optimizer steps; 0 disables periodic evaluation (it still runs at the end).
@@ -237,6 +249,9 @@ class TrainSection:
   fine-tuning a pretrained checkpoint in full (`model.checkpoint` set, no `lora`), trained from a fresh init (a
   random router must learn). A few thousand SFT steps on a narrow dataset move a pretrained router's top-k choice
   for every token and can leave experts idle; the experts themselves still adapt. True / False force it.
+  train_vision: what of a model's vision tower trains: 'none' (default: the tower and its projection into the text
+  model, `embed_vision`, keep their weights), 'projector' (`embed_vision` only) or 'all' (both); 'projector' and
+  'all' need full fine-tuning (LoRA adapts the text model only).
   """
 
   steps: int = 1000
@@ -250,10 +265,13 @@ class TrainSection:
   eval_at_end: bool = True
   async_checkpointing: bool = True
   freeze_router: bool | str = "auto"
+  train_vision: str = "none"
 
   def __post_init__(self):
     if not (self.freeze_router == "auto" or isinstance(self.freeze_router, bool)):
       raise ConfigError(f"train.freeze_router={self.freeze_router!r}; expected 'auto', True or False")
+    if self.train_vision not in VISION_TRAINING:
+      raise ConfigError(f"train.train_vision={self.train_vision!r}; expected one of {', '.join(VISION_TRAINING)}")
     for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       _positive_int("train", name, getattr(self, name))
     _positive_int("train", "eval_every", self.eval_every, allow_zero=True)
@@ -353,13 +371,19 @@ class ExperimentConfig:
   raw: Mapping[str, Any]
   trust_remote_code: bool = False
 
+  def __post_init__(self):
+    if self.lora is not None and self.train.train_vision != "none":
+      raise ConfigError(f"train.train_vision={self.train.train_vision!r} needs full fine-tuning (lora.enabled="
+                        "False): LoRA adapts the text model only, and its checkpoints and exports hold the adapters")
+
   @property
   def frozen_modules(self) -> tuple[str, ...]:
-    """Module names whose trainable variables training keeps unchanged (`train.freeze_router`): ('router',) or ()."""
+    """Module names whose trainable variables training keeps unchanged: 'router' (`train.freeze_router`), then the
+    vision modules `train.train_vision` leaves frozen (names no text model has)."""
     freeze = self.train.freeze_router
     if freeze == "auto":
       freeze = bool(self.model.checkpoint) and self.lora is None
-    return ("router",) if freeze else ()
+    return ("router",) * bool(freeze) + VISION_TRAINING[self.train.train_vision]
 
   @classmethod
   def from_config_dict(cls, config: ml_collections.ConfigDict | Mapping[str, Any], *,

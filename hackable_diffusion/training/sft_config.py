@@ -26,7 +26,8 @@ from hackable_diffusion.diffusion.loss import LossConfig
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.lora.adapters import LoraConfig
 from hackable_diffusion.model.config import ModelConfig
-from hackable_diffusion.runs.config import (DataSection, EvalSection, ModelSection, OptimizerConfig, TrainSection)
+from hackable_diffusion.runs.config import (VISION_TRAINING, DataSection, EvalSection, ModelSection, OptimizerConfig,
+                                           TrainSection)
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sharding.mesh import MESH_AXES, MeshConfig
 
@@ -67,7 +68,8 @@ SECTION_KEYS: dict[str, tuple[str, str | None]] = {
     "add_bos": ("data", "add_bos"), "prompt_field": ("data", "prompt_field"),
     "completion_field": ("data", "completion_field"), "messages_field": ("data", "messages_field"),
     "chat_template": ("data", "chat_template"), "max_prompt_length": ("data", "max_prompt_length"),
-    "max_canvases": ("data", "max_canvases"),
+    "max_canvases": ("data", "max_canvases"), "max_images": ("data", "max_images"),
+    "train_vision": ("train", "train_vision"),
     "eval_num_examples": ("eval", "num_examples"), "eval_batch_size": ("eval", "batch_size"),
     "eval_step_budgets": ("eval", "step_budgets"), "eval_max_steps": ("eval", "early_stopping_steps"),
     "sampling": ("eval", "sampling"), "loss": ("diffusion", None), "mesh": ("mesh", None),
@@ -167,6 +169,8 @@ class SFTConfig(metaclass=_KnownKeywords):
   model_overrides: `ModelConfig` fields changed on top of the model (e.g. {'remat': 'nothing_saveable'}).
   seed: init, data order and noise. freeze_router: keep the MoE routers as loaded ('auto': when fine-tuning a
   checkpoint in full; True / False force it).
+  max_images: images per example of chat records with image parts (-1: the most any record has). train_vision: what
+  of the vision tower trains: 'none' (frozen), 'projector' or 'all' (full fine-tuning only).
   Settings of TRL's SFTConfig without a counterpart (`UNSUPPORTED`) and unknown names are one-line ConfigErrors.
   """
 
@@ -197,6 +201,7 @@ class SFTConfig(metaclass=_KnownKeywords):
   chat_template: str = _D["data"]["chat_template"]
   max_prompt_length: int = _D["data"]["max_prompt_length"]
   max_canvases: int = _D["data"]["max_canvases"]
+  max_images: int = _D["data"]["max_images"]
   max_length: int | None = None
   logging_steps: int = _D["train"]["log_every"]
   save_steps: int = _D["train"]["checkpoint_every"]
@@ -205,6 +210,7 @@ class SFTConfig(metaclass=_KnownKeywords):
   eval_steps: int = _D["train"]["eval_every"]
   eval_at_end: bool = _D["train"]["eval_at_end"]
   freeze_router: bool | str = _D["train"]["freeze_router"]
+  train_vision: str = _D["train"]["train_vision"]
   eval_num_examples: int = _D["eval"]["num_examples"]
   eval_batch_size: int | None = None  # DIFFERENT_DEFAULTS
   eval_step_budgets: tuple[int, ...] = _D["eval"]["step_budgets"]
@@ -305,7 +311,7 @@ class SFTConfig(metaclass=_KnownKeywords):
         "data": {"prompt_field": self.prompt_field, "completion_field": self.completion_field,
                  "messages_field": self.messages_field,
                  "chat_template": self.chat_template, "max_prompt_length": self.max_prompt_length,
-                 "max_canvases": self.max_canvases},
+                 "max_canvases": self.max_canvases, "max_images": self.max_images},
         "diffusion": dataclasses.asdict(self.loss),
         "optimizer": {"peak_lr": float(self.learning_rate), "end_lr_ratio": float(self.end_lr_ratio),
                       "warmup_steps": self.warmup_steps, "decay_steps": self.max_steps,
@@ -317,7 +323,8 @@ class SFTConfig(metaclass=_KnownKeywords):
                   "grad_accum_steps": self.gradient_accumulation_steps, "seed": self.seed,
                   "log_every": self.logging_steps, "checkpoint_every": self.save_steps,
                   "keep_checkpoints": self.save_total_limit, "eval_every": self.eval_steps,
-                  "eval_at_end": self.eval_at_end, "freeze_router": self.freeze_router},
+                  "eval_at_end": self.eval_at_end, "freeze_router": self.freeze_router,
+                  "train_vision": self.train_vision},
         "eval": {"num_examples": self.eval_num_examples, "batch_size": self.eval_batch_size,
                  "step_budgets": self.eval_step_budgets, "early_stopping_steps": self.eval_max_steps,
                  "seed": self.seed, "sampling": _sampling_dict(self.sampling)},
@@ -417,6 +424,10 @@ def _problem(name: str, v: Any) -> str | None:
     return None if isinstance(v, bool) else "expected a bool"
   if name == "freeze_router":
     return None if v == "auto" or isinstance(v, bool) else "expected 'auto', True or False"
+  if name == "max_images":
+    return None if _int(v) and v >= -1 else "expected an integer >= 0, or -1 (the most images of any record)"
+  if name == "train_vision":
+    return None if v in VISION_TRAINING else f"expected one of {', '.join(VISION_TRAINING)}"
   if name == "eval_step_budgets":
     return None if isinstance(v, tuple) and v and all(_int(b) and b > 0 for b in v) else (
         "expected a non-empty tuple of positive integers")

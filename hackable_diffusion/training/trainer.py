@@ -64,6 +64,7 @@ from hackable_diffusion.runs import workdir as workdir_lib
 from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer
 from hackable_diffusion.runs.config import ExperimentConfig
 from hackable_diffusion.sharding.mesh import is_main_process
+from hackable_diffusion.training.images import check_image_run, image_data_config
 from hackable_diffusion.training.logging import MetricWriter, Progress
 from hackable_diffusion.training.optimizer import make_optimizer, master_dtype
 from hackable_diffusion.training.step import (TrainState, abstract_train_state, init_train_state,
@@ -210,7 +211,9 @@ class Trainer:
       self.model_config = run_lib.build_model_config(cfg, self.tokenizer)
       data_cfg = run_lib.sft_data_config(cfg, self.model_config, self.paths["train"], batch_size=host_batch,
                                          shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+      data_cfg = image_data_config(cfg, data_cfg, self.model_config)
       self.train_data = make_sft_dataset(data_cfg, self.tokenizer, shard_index=shard_index, shard_count=shard_count)
+      check_image_run(cfg, self.train_data, self.model_config)
       self._eval_data: eval_loop.EvalData | None = None
       if cfg.train.eval_at_end or cfg.train.eval_every:
         self.eval_data()  # a bad evaluation file or record fails now, not after training
@@ -303,6 +306,7 @@ class Trainer:
   # ---- evaluation ---------------------------------------------------------------------------------------------
   def eval_data(self) -> eval_loop.EvalData:
     if self._eval_data is None:
+      check_image_run(self.config, self.train_data, self.model_config, evaluating=True)
       self._eval_data = run_lib.load_eval_data(self.config, self.model_config, self.tokenizer, self.paths)
     return self._eval_data
 

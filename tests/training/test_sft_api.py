@@ -49,6 +49,7 @@ BAD_VALUES = {
     "eval_num_examples": 0, "eval_batch_size": 0, "eval_step_budgets": (0,), "eval_max_steps": 0,
     "sampling": {"t_min": 0.1}, "loss": "flat", "mesh": {"data": 2}, "model_overrides": {"hidden": 3},
     "num_train_epochs": 0, "per_device_train_batch_size": 0, "max_length": 0, "report_to": "x",
+    "max_images": -2, "train_vision": "tower",
 }
 
 
