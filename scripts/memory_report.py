@@ -23,6 +23,9 @@ Cases (prompt 256 + canvas 256, LoRA r8 on all linear layers as configs/diffusio
      2 (target: a 24 GB card, <= 22 GiB); q4p: the same in one pass
   qn QLoRA: case q4 with the base in NVFP4 (FP4 values, one float8 scale per 16 inputs, a 1 KiB scale table per
      tensor: what an NVFP4 checkpoint keeps with `lora.base_quantization='nvfp4'`)
+  i  case a (4 micro-batches of 2) with one image per example at the image processor's default size (2,520
+     patches, 280 soft tokens + begin/end: the prompt grows by 282 tokens) through transformers' default Gemma 4
+     vision tower (768 wide, 16 layers), frozen as `train.train_vision='none'` keeps it
 
 How the CPU's bf16 converts are kept out (see --validate): XLA:CPU computes every bf16 dot in f32 and keeps f32
 copies of bf16 weights as temporaries (a bf16 [4096, 4096] weight in `x @ w` compiles to a 64 MiB temporary; a GPU
@@ -64,6 +67,7 @@ from hackable_diffusion.lora.qlora import QuantizedBase  # noqa: E402
 from hackable_diffusion.model import scan  # noqa: E402
 from hackable_diffusion.model.config import get_preset  # noqa: E402
 from hackable_diffusion.model.transformer import DiffusionGemma  # noqa: E402
+from hackable_diffusion.model.vision_config import VisionConfig  # noqa: E402
 from hackable_diffusion.sampling import entropy_bound as eb  # noqa: E402
 from hackable_diffusion.sampling.denoise import self_conditioning_embeddings  # noqa: E402
 from hackable_diffusion.sharding.mesh import MeshConfig, make_mesh  # noqa: E402
@@ -76,7 +80,8 @@ UNIT = (GIB, "GiB")  # (bytes, name) of the printed numbers; --smoke prints MiB
 PRESET = "diffusion_gemma_26b_a4b"
 PROMPT, CANVAS = 256, 256
 SMOKE = False  # --smoke: the same cases on a 30-layer model of hidden 32 (tests/test_benchmark_scripts.py)
-CASES = ("a", "b", "b2", "b16", "c", "d", "q8", "q4", "q8p", "q4p", "qn")
+CASES = ("a", "b", "b2", "b16", "c", "d", "q8", "q4", "q8p", "q4p", "qn", "i")
+IMAGE_PATCHES, IMAGE_TOKENS = 2520, 280 + 2  # one image at the processor's default budget, with begin/end tokens
 LORA = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEAR)
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
@@ -85,11 +90,16 @@ SCAN = True  # the layers stacked and run under one scan (ModelConfig.scan_layer
 LAYERS: int | None = None  # compile this many layers (whole 5 sliding : 1 full groups) instead of all 30
 
 
-def model_config(remat: str = "nothing_saveable", dtype: str = "float32"):
+def model_config(remat: str = "nothing_saveable", dtype: str = "float32", vision: bool = False):
   cfg = get_preset(PRESET, moe_impl="tiled", remat=remat, dtype=dtype, param_dtype=dtype)
   if SMOKE:
     cfg = get_preset("tiny", moe_impl="tiled", remat=remat, dtype=dtype, param_dtype=dtype, vocab_size=512,
                      num_hidden_layers=30, layer_types=None, canvas_length=CANVAS)
+  if vision:  # image token ids: any three ids of the vocabulary (they do not change the memory)
+    tower = VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=16) if SMOKE else VisionConfig()
+    v = cfg.vocab_size
+    cfg = cfg.replace(vision=tower, image_token_id=v - 1, boi_token_id=v - 2, eoi_token_id=v - 3)
   if LAYERS is not None:
     cfg = cfg.replace(num_hidden_layers=LAYERS, layer_types=cfg.layer_types[:LAYERS])
   return cfg.replace(scan_layers=SCAN)
@@ -105,11 +115,18 @@ def abstract_model(cfg, lora: bool, quantization: str = "none"):
   return nnx.eval_shape(build)
 
 
-def batch_shapes(b: int) -> SFTBatch:
-  return SFTBatch(prompt_ids=jax.ShapeDtypeStruct((b, PROMPT), jnp.int32),
-                  prompt_mask=jax.ShapeDtypeStruct((b, PROMPT), bool),
+def batch_shapes(b: int, vision: VisionConfig | None = None) -> SFTBatch:
+  """Abstract SFT batch; with `vision`, one image per example and its tokens added to the prompt."""
+  prompt = PROMPT + (IMAGE_TOKENS if vision is not None else 0)
+  images = {}
+  if vision is not None:
+    patches = IMAGE_PATCHES if not SMOKE else 36  # smoke: 6 x 6 patches
+    images = dict(pixel_values=jax.ShapeDtypeStruct((b, 1, patches, vision.patch_dim), jnp.float32),
+                  image_position_ids=jax.ShapeDtypeStruct((b, 1, patches, 2), jnp.int32))
+  return SFTBatch(prompt_ids=jax.ShapeDtypeStruct((b, prompt), jnp.int32),
+                  prompt_mask=jax.ShapeDtypeStruct((b, prompt), bool),
                   completion_ids=jax.ShapeDtypeStruct((b, CANVAS), jnp.int32),
-                  completion_mask=jax.ShapeDtypeStruct((b, CANVAS), bool))
+                  completion_mask=jax.ShapeDtypeStruct((b, CANVAS), bool), **images)
 
 
 def nbytes(tree) -> int:
@@ -159,16 +176,17 @@ def measure(case, *args, full: bool) -> list[dict]:
 
 # ---- training ----------------------------------------------------------------------------------------------------
 def lora_step(batch: int, *, remat: str, tile_mib: float, dtype: str = "float32", accum: int = 1,
-              quantization: str = "none") -> tuple[dict, dict]:
-  """Compiled LoRA train step on one device (`accum` micro-batches; `quantization`: QLoRA's base) -> (XLA analysis,
-  {'frozen': bytes of the dense frozen base in this compile, 'quantized': of the quantized base, ...})."""
-  cfg = model_config(remat, dtype)
+              quantization: str = "none", vision: bool = False) -> tuple[dict, dict]:
+  """Compiled LoRA train step on one device (`accum` micro-batches; `quantization`: QLoRA's base; `vision`: one
+  image per example) -> (XLA analysis, {'frozen': bytes of the dense frozen base in this compile, 'quantized': of
+  the quantized base, ...})."""
+  cfg = model_config(remat, dtype, vision)
   graphdef, params, rest = nnx.split(abstract_model(cfg, lora=True, quantization=quantization), nnx.LoRAParam, ...)
   quantized = nnx.state(nnx.merge(graphdef, params, rest), QuantizedBase)
   tx, _ = make_optimizer(OptimizerConfig())
   state = abstract_train_state(params, rest, tx)
   step = make_train_step(graphdef, tx, LossConfig(logits_tile_mib=tile_mib), jit=False, grad_accum_steps=accum)
-  compiled = jax.jit(step, donate_argnums=0).lower(state, batch_shapes(batch), KEY).compile()
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch_shapes(batch, cfg.vision), KEY).compile()
   packed = sum(int(np.prod(x.shape)) * (0.5 if jnp.dtype(x.dtype) == jnp.dtype(jnp.int4) else
                                         jnp.dtype(x.dtype).itemsize) for x in jax.tree.leaves(quantized))
   return analysis(compiled), dict(frozen=nbytes(rest) - nbytes(quantized), quantized=int(packed),
@@ -186,6 +204,16 @@ def case_a(batch: int = 8) -> list[dict]:
     rows.append(row(f"a: LoRA r8, 1 device, batch {batch}, {how}", args, a["temporaries"],
                     note=f"compiled in {time.time() - t:.0f} s"))
   return rows
+
+
+def case_i(batch: int = 8, accum: int = 4) -> list[dict]:
+  """Case a's recipe with one image per example through the (frozen) vision tower."""
+  t = time.time()
+  a, sizes = lora_step(batch, remat="nothing_saveable", tile_mib=256.0, accum=accum, vision=True)
+  args = a["arguments"] - sizes["frozen"] // 2  # the frozen base, vision tower included, at bf16
+  return [row(f"i: LoRA r8, 1 device, batch {batch} as {accum} micro-batches of {batch // accum}, one image each "
+              f"(prompt {PROMPT} + {IMAGE_TOKENS})", args, a["temporaries"],
+              note=f"compiled in {time.time() - t:.0f} s")]
 
 
 def case_q(mode: str, batch: int, accum: int) -> list[dict]:
@@ -324,7 +352,7 @@ def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cases", default=",".join(CASES),
                       help="comma-separated subset of a,b,b2 (case b at batch 2 per device),"
-                           "b16 (case b compiled in bf16),c,d,q8,q4,q8p,q4p,qn")
+                           "b16 (case b compiled in bf16),c,d,q8,q4,q8p,q4p,qn,i (case a with an image per example)")
   parser.add_argument("--smoke", action="store_true", help="every step of the report on a tiny 30-layer model")
   parser.add_argument("--validate", action="store_true", help="only the CPU-convert check")
   parser.add_argument("--unrolled", action="store_true",
@@ -354,7 +382,8 @@ def main(argv: list[str]) -> None:
   runs = [("a", case_a, ()), ("b", case_b, ()), ("b2", case_b, (2, 8, (1,))),
           ("b16", case_b16, ()), ("c", case_c, (8,)), ("c", case_c, (64,)),
           ("d", case_d, ()), ("q8", case_q, ("fp8", 8, 4)), ("q4", case_q, ("int4", 4, 2)),
-          ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1)), ("qn", case_q, ("nvfp4", 4, 2))]
+          ("q8p", case_q, ("fp8", 8, 1)), ("q4p", case_q, ("int4", 4, 1)), ("qn", case_q, ("nvfp4", 4, 2)),
+          ("i", case_i, ())]
   for name, case, case_args in runs:
     if name in cases:
       # scanned, a 30-layer compile costs what a 6-layer one does: always whole

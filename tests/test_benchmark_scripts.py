@@ -99,6 +99,24 @@ def test_memory_report_extrapolation_matches_a_whole_compile():
     assert extrapolated[name][0] == args, (name, extrapolated[name], full[name])
 
 
+@pytest.mark.slow  # two compiles of the 30-layer smoke model's LoRA step
+def test_memory_report_image_case_adds_the_tower_and_the_image_tokens():
+  """Case i is case a's recipe with one image per example: its arguments hold the vision tower on top of case a's,
+  and its temporaries the image activations."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--smoke", "--cases=a,i"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  rows = {}
+  for line in proc.stdout.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if line.startswith("| a: ") or line.startswith("| i: "):
+      rows[cells[0]] = [float(c.strip("*")) for c in cells[1:5]]
+  (a_args, a_temps, _, _), = [v for k, v in rows.items() if k.startswith("a:") and "micro-batches" in k]
+  (i_args, i_temps, _, _), = [v for k, v in rows.items() if k.startswith("i:")]
+  assert i_args > a_args and i_temps > a_temps, rows
+
+
 def test_memory_report_refuses_an_unknown_case():
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--cases=a,z"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
