@@ -50,13 +50,15 @@ def _perturb(model, seed: int) -> None:
         b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
 
 
-def reference(path: str):
-  """The transformers model, saved with `save_pretrained` into the directory `path`."""
+def reference(path: str, use_bidirectional_attention: str | None = None):
+  """The transformers model, saved with `save_pretrained` into the directory `path`. `use_bidirectional_attention`:
+  its text config's value ("vision": bidirectional image blocks in the encoder; the weights do not depend on it)."""
   import torch
   from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
   torch.manual_seed(0)
-  config = DiffusionGemmaConfig(text_config=dict(TEXT), vision_config=dict(VISION), boi_token_id=BOI,
+  text = dict(TEXT, use_bidirectional_attention=use_bidirectional_attention)
+  config = DiffusionGemmaConfig(text_config=text, vision_config=dict(VISION), boi_token_id=BOI,
                                 eoi_token_id=EOI, image_token_id=IMAGE, canvas_length=CANVAS)
   model = DiffusionGemmaForBlockDiffusion(config).eval()
   _perturb(model, 1)
@@ -76,6 +78,12 @@ def images(rng: np.random.Generator, grids: list[tuple[int, int]], max_soft_toke
     gx, gy = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")
     positions[i, :n] = np.stack([gx, gy], -1).reshape(n, 2)
   return pixels, positions
+
+
+def mm_token_type_ids(ids: np.ndarray) -> np.ndarray:
+  """What Gemma 4's processor returns as `mm_token_type_ids` for `ids`: 1 on the image soft tokens, 0 elsewhere
+  (begin/end-of-image included; transformers 5.23.0 `processing_utils.ProcessorMixin.create_mm_token_type_ids`)."""
+  return (ids == IMAGE).astype(np.int64)
 
 
 def image_tokens(n: int) -> list[int]:

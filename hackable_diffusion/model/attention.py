@@ -18,6 +18,10 @@ head_dim <= 256 run through `jax.nn.dot_product_attention` (cuDNN flash attentio
 function within fp32 rounding (tests/model/test_attention.py keeps the original dense implementation as the
 reference).
 
+With `ModelConfig.use_bidirectional_attention == "vision"` the encoder's queries also see the keys of their own
+image block (`VisionBlocks`, `model.vision_attention`), in every path: `encoder_mask`, the band (its key span
+widened by the longest block) and the query chunks.
+
 Slot `j` of the cache holds position `j` (prompt positions are a plain `arange`, also with left padding), so
 positions and slots coincide and a per-row `length` lets one batch hold prefixes of different lengths (training
 decodes a different canvas per example).
@@ -36,6 +40,7 @@ from flax import nnx
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model import layers
 from hackable_diffusion.model.config import SLIDING, ModelConfig
+from hackable_diffusion.model.vision_attention import VisionBlocks
 
 Array = jax.Array
 _NEG = -1e30  # masked score; a row with no visible key (a padding query) becomes uniform
@@ -140,18 +145,24 @@ def write_rows(cache: Array, new: Array, start: Array) -> Array:
   return jax.vmap(one)(cache, new.astype(cache.dtype), start)
 
 
-def _visible(valid: Array, slots: Array, q_pos: Array, window: int | None) -> Array:
-  """valid/slots [..., S] (a key's flag and slot), q_pos [..., L] -> [..., L, S] bool: causal (+ sliding window)."""
+def _visible(valid: Array, slots: Array, q_pos: Array, window: int | None, first: Array | None = None,
+             last: Array | None = None) -> Array:
+  """valid/slots [..., S] (a key's flag and slot), q_pos [..., L] -> [..., L, S] bool: causal (+ sliding window).
+  first/last [..., L]: each query's bidirectional block (`VisionBlocks`), whose keys it sees as well."""
   k, q = slots[..., None, :], q_pos[..., :, None]
-  mask = valid[..., None, :] & (k <= q)
+  end = q if last is None else jnp.maximum(q, last[..., :, None])
+  mask = valid[..., None, :] & (k <= end)
   if window is not None:
-    mask &= k > q - window
+    near = k > q - window
+    mask &= near if first is None else near | (k >= first[..., :, None])
   return mask
 
 
-def encoder_mask(valid: Array, q_pos: Array, window: int | None) -> Array:
-  """valid [B, S], q_pos [B, L] -> [B, L, S] bool: causal (+ sliding window of `window` keys incl. itself)."""
-  return _visible(valid, jnp.arange(valid.shape[1])[None, :], q_pos, window)
+def encoder_mask(valid: Array, q_pos: Array, window: int | None, blocks: VisionBlocks | None = None) -> Array:
+  """valid [B, S], q_pos [B, L] -> [B, L, S] bool: causal (+ sliding window of `window` keys incl. itself), and the
+  keys of each query's own block where `blocks` [B, L] are given."""
+  first, last = (None, None) if blocks is None else (blocks.first, blocks.last)
+  return _visible(valid, jnp.arange(valid.shape[1])[None, :], q_pos, window, first, last)
 
 
 def decoder_prefix_mask(valid: Array, length: Array, window: int | None) -> Array:
@@ -220,8 +231,9 @@ def attend(q: Array, k: Array, v: Array, mask: Array, dtype) -> Array:
   """`attend_einsum`'s function, through `jax.nn.dot_product_attention` where the head_dim allows (fp32 softmax,
   scale 1.0, GQA by its kv-head grouping; its mask is `[B, 1 or N, L, S]`), with cuDNN flash attention where
   `attention_implementation` says it applies; where cuDNN refuses the block when it is traced (a shape or a cuDNN
-  build it does not support), the XLA path runs instead, with one warning per block shape. Float64 compute (the float64 parity checks,
-  scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax in float32."""
+  build it does not support), the XLA path runs instead, with one warning per block shape. Float64 compute (the
+  float64 parity checks, scripts/float64_parity.py) takes the einsum: `dot_product_attention` computes its softmax
+  in float32."""
   if q.shape[-1] > FUSED_MAX_HEAD_DIM or jnp.dtype(dtype).itemsize > 4:
     return attend_einsum(q, k, v, mask, dtype)
   platform = jax.default_backend()
@@ -254,19 +266,27 @@ def band_chunk(num_queries: int, window: int) -> int:
   return max(1, min(num_queries, window // BAND_CHUNK_FRACTION))
 
 
-def band_span(chunk: int, window: int) -> int:
-  """Key slots a query chunk reads: `chunk + window - 1`, rounded up to even (cuDNN's flash attention wants even
-  key lengths for a masked training pass, `attention_implementation`; the extra slot is masked)."""
-  span = chunk + window - 1
+def band_back(window: int, reach: int = 1) -> int:
+  """How many slots before its first query a chunk reads: `window - 1`, or `reach - 1` when a block (`reach` the
+  longest) reaches further back."""
+  return max(window, reach) - 1
+
+
+def band_span(chunk: int, window: int, reach: int = 1) -> int:
+  """Key slots a query chunk reads: `chunk + window - 1` (+ `reach - 1` ahead of its last query, and further back
+  when `reach > window`, for the bidirectional blocks of `VisionBlocks.reach`), rounded up to even (cuDNN's flash
+  attention wants even key lengths for a masked training pass, `attention_implementation`; the extra slot is
+  masked)."""
+  span = chunk + band_back(window, reach) + reach - 1
   return span + span % 2
 
 
-def band_pays(num_queries: int, capacity: int, window: int | None) -> bool:
+def band_pays(num_queries: int, capacity: int, window: int | None, reach: int = 1) -> bool:
   """Whether a sliding layer's encoder pass takes the banded path: a cache of at least `BAND_MIN_CAPACITY` slots
   and at least twice the key span of a query chunk."""
   if window is None or capacity < BAND_MIN_CAPACITY:
     return False
-  return 2 * band_span(band_chunk(num_queries, window), window) <= capacity
+  return 2 * band_span(band_chunk(num_queries, window), window, reach) <= capacity
 
 
 def _gather_spans(x: Array, first: Array, span: int) -> Array:
@@ -276,23 +296,29 @@ def _gather_spans(x: Array, first: Array, span: int) -> Array:
 
 
 def banded_encoder_attention(q: Array, cache_k: Array, cache_v: Array, valid: Array, start: Array, window: int,
-                             dtype) -> Array:
+                             dtype, blocks: VisionBlocks | None = None) -> Array:
   """Causal sliding-window attention of `q [B, L, N, D]` at positions `start [B] + arange(L)` over the (written)
   cache `[B, S, kv, D]` with `valid [B, S]`, computed over each query chunk's key span only -> [B, L, N, D].
 
-  Same function as `attend(q, cache_k, cache_v, encoder_mask(valid, start + arange(L), window))` on every query
-  that sees a key (a query at a padding position sees none: its output is unspecified, as in the dense path).
+  Same function as `attend(q, cache_k, cache_v, encoder_mask(valid, start + arange(L), window, blocks))` on every
+  query that sees a key (a query at a padding position sees none: its output is unspecified, as in the dense path),
+  for blocks no longer than `blocks.reach`.
   """
   b, l, n, d = q.shape
   s = cache_k.shape[1]
   c = band_chunk(l, window)
   num_chunks = -(-l // c)
-  span = band_span(c, window)
+  reach = 1 if blocks is None else blocks.reach
+  span = band_span(c, window, reach)
   chunk_pos = c * jnp.arange(num_chunks, dtype=jnp.int32)  # [n]: offset of each chunk's first query
-  first = jnp.clip(start[:, None] + chunk_pos[None, :] - (window - 1), 0, s - span)  # [B, n]
+  first = jnp.clip(start[:, None] + chunk_pos[None, :] - band_back(window, reach), 0, s - span)  # [B, n]
   slots = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [B, n, span]
   q_pos = start[:, None, None] + chunk_pos[None, :, None] + jnp.arange(c, dtype=jnp.int32)  # [B, n, C]
-  mask = _visible(_gather_spans(valid, first, span), slots, q_pos, window)  # [B, n, C, span]
+  bounds = (None, None)
+  if blocks is not None:  # [B, n, C] each
+    chunked = blocks.padded(num_chunks * c)
+    bounds = (chunked.first.reshape(b, num_chunks, c), chunked.last.reshape(b, num_chunks, c))
+  mask = _visible(_gather_spans(valid, first, span), slots, q_pos, window, *bounds)  # [B, n, C, span]
   keys = _gather_spans(cache_k, first, span).astype(dtype).reshape(b * num_chunks, span, *cache_k.shape[2:])
   values = _gather_spans(cache_v, first, span).astype(dtype).reshape(b * num_chunks, span, *cache_v.shape[2:])
   qc = jnp.pad(q, ((0, 0), (0, num_chunks * c - l), (0, 0), (0, 0))).reshape(b * num_chunks, c, n, d)
@@ -308,39 +334,44 @@ FULL_QUERY_CHUNK = 1024
 
 
 def chunked_encoder_attention(q: Array, keys: Array, values: Array, valid: Array, start: Array, window: int | None,
-                              dtype, chunk: int) -> Array:
-  """`attend(q, keys, values, encoder_mask(valid, start + arange(L), window))` one query chunk at a time.
+                              dtype, chunk: int, blocks: VisionBlocks | None = None) -> Array:
+  """`attend(q, keys, values, encoder_mask(valid, start + arange(L), window, blocks))` one query chunk at a time.
 
   q [B, L, N, D], keys/values [B, S, kv, D] (in `dtype`), valid [B, S], start [B] -> [B, L, N, D].
   """
   b, l, n, d = q.shape
   num_chunks = -(-l // chunk)
   qc = jnp.pad(q, ((0, 0), (0, num_chunks * chunk - l), (0, 0), (0, 0))).reshape(b, num_chunks, chunk, n, d)
+  per_chunk = lambda a: jnp.moveaxis(a.reshape(b, num_chunks, chunk), 1, 0)  # noqa: E731  [B, n*C] -> [n, B, C]
+  padded = None if blocks is None else blocks.padded(num_chunks * chunk)
+  bounds = None if padded is None else (per_chunk(padded.first), per_chunk(padded.last))
 
   @jax.checkpoint
-  def one(args: tuple[Array, Array]) -> Array:
-    q_chunk, offset = args  # [B, C, N, D], []
+  def one(args: tuple[Array, Array, tuple[Array, Array] | None]) -> Array:
+    q_chunk, offset, chunk_bounds = args  # [B, C, N, D], [], ([B, C], [B, C]) or None
     q_pos = start[:, None] + offset + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [B, C]
-    return attend(q_chunk, keys, values, encoder_mask(valid, q_pos, window), dtype)
+    chunk_blocks = None if chunk_bounds is None else VisionBlocks(*chunk_bounds)
+    return attend(q_chunk, keys, values, encoder_mask(valid, q_pos, window, chunk_blocks), dtype)
 
   offsets = chunk * jnp.arange(num_chunks, dtype=jnp.int32)
-  out = jax.lax.map(one, (jnp.moveaxis(qc, 1, 0), offsets))  # [n, B, C, N, D]
+  out = jax.lax.map(one, (jnp.moveaxis(qc, 1, 0), offsets, bounds))  # [n, B, C, N, D]
   return jnp.moveaxis(out, 0, 1).reshape(b, num_chunks * chunk, n, d)[:, :l]
 
 
 def encoder_attention(q: Array, cache_k: Array, cache_v: Array, valid: Array, start: Array, window: int | None,
-                      dtype) -> Array:
+                      dtype, blocks: VisionBlocks | None = None) -> Array:
   """Encoder-mode attention of `q [B, L, N, D]` (positions `start + arange(L)`) over the written cache: banded on
   sliding layers when it pays (`band_pays`), else dense over all S slots with `encoder_mask`, one query chunk at a
-  time when there are at least 2 x `FULL_QUERY_CHUNK` queries. -> [B, L, N, D]."""
+  time when there are at least 2 x `FULL_QUERY_CHUNK` queries. `blocks`: each query's bidirectional image block
+  (None: causal). -> [B, L, N, D]."""
   b, l = q.shape[:2]
-  if band_pays(l, cache_k.shape[1], window):
-    return banded_encoder_attention(q, cache_k, cache_v, valid, start, window, dtype)
+  if band_pays(l, cache_k.shape[1], window, 1 if blocks is None else blocks.reach):
+    return banded_encoder_attention(q, cache_k, cache_v, valid, start, window, dtype, blocks)
   keys, values = cache_k.astype(dtype), cache_v.astype(dtype)
   if l >= 2 * FULL_QUERY_CHUNK and cache_k.shape[1] >= BAND_MIN_CAPACITY:
-    return chunked_encoder_attention(q, keys, values, valid, start, window, dtype, FULL_QUERY_CHUNK)
+    return chunked_encoder_attention(q, keys, values, valid, start, window, dtype, FULL_QUERY_CHUNK, blocks)
   q_pos = start[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
-  return attend(q, keys, values, encoder_mask(valid, q_pos, window), dtype)  # mask [B, L, S]
+  return attend(q, keys, values, encoder_mask(valid, q_pos, window, blocks), dtype)  # mask [B, L, S]
 
 
 def prefix_band_pays(capacity: int, window: int | None) -> bool:
@@ -402,16 +433,18 @@ class Attention(nnx.Module):
     return q, k, self.v_norm(raw_v)
 
   def encode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, start: Array,
-             valid: Array) -> tuple[Array, Array, Array]:
+             valid: Array, blocks: VisionBlocks | None = None) -> tuple[Array, Array, Array]:
     """Causal attention that writes its keys/values into the cache at `start [B]`.
 
-    valid [B, S]: the cache's `valid` with this pass's tokens already written. -> (out, cache_k, cache_v).
+    valid [B, S]: the cache's `valid` with this pass's tokens already written. blocks: the queries' bidirectional
+    image blocks (None: causal). -> (out, cache_k, cache_v).
     """
     b, l, _ = x.shape
     q, k, v = self.qkv(x, cos, sin)
     cache_k = write_rows(cache_k, k, start)
     cache_v = write_rows(cache_v, v, start)
-    out = encoder_attention(q, cache_k, cache_v, valid, start, self.window, self.dtype)
+    extra = {} if blocks is None else {"blocks": blocks}  # a causal pass uses the 7-argument form (a test swaps it)
+    out = encoder_attention(q, cache_k, cache_v, valid, start, self.window, self.dtype, **extra)
     return self.o_proj(out.reshape(b * l, -1)).reshape(b, l, -1), cache_k, cache_v
 
   def decode(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, prefix_mask: Array,

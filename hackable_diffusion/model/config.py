@@ -19,7 +19,7 @@ from hackable_diffusion.hub import resolve_model_path
 from hackable_diffusion.model import hf_config, structure
 from hackable_diffusion.model.hf_config import FULL, SLIDING, TINY_VISION_CONFIG
 from hackable_diffusion.model.matmul import MATMUL_DTYPES
-from hackable_diffusion.model.vision_config import VisionConfig
+from hackable_diffusion.model.vision_config import VisionConfig, checked_vision, hf_vision_fields
 
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
@@ -112,6 +112,9 @@ class ModelConfig:
   image_token_id: int | None = None
   boi_token_id: int | None = None
   eoi_token_id: int | None = None
+  # HF `text_config.use_bidirectional_attention`: None (causal encoder) or "vision" (each image's tokens also see each
+  # other in the encoder pass; `model.vision_attention`).
+  use_bidirectional_attention: str | None = None
   # --- ours (not in the HF config) ---
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
@@ -141,12 +144,8 @@ class ModelConfig:
         object.__setattr__(self, name, RopeConfig(**value))
       elif not isinstance(value, RopeConfig):
         raise ConfigError(f"ModelConfig.{name}={value!r}; expected a RopeConfig or a dict of its fields")
-    if isinstance(self.vision, Mapping):
-      object.__setattr__(self, "vision", VisionConfig(**self.vision))
-    elif self.vision is not None and not isinstance(self.vision, VisionConfig):
-      raise ConfigError(f"ModelConfig.vision={self.vision!r}; expected a VisionConfig, a dict of its fields or None")
-    if self.vision is not None and self.image_token_id is None:
-      raise ConfigError("ModelConfig.vision is set but image_token_id is None: the prompt needs an image token")
+    object.__setattr__(self, "vision", checked_vision(self.vision, self.image_token_id,
+                                                      self.use_bidirectional_attention))
     positive = (
         "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
         "head_dim global_head_dim sliding_window num_experts top_k_experts moe_intermediate_size canvas_length "
@@ -172,9 +171,11 @@ class ModelConfig:
       raise ConfigError("ModelConfig.layer_types[-1] must be 'full_attention' (as in transformers, which forces it)")
     if self.num_global_key_value_heads is not None and self.num_global_key_value_heads <= 0:
       raise ConfigError(f"ModelConfig.num_global_key_value_heads={self.num_global_key_value_heads} must be > 0")
-    for name, kv in (("num_key_value_heads", self.num_key_value_heads), ("num_global_key_value_heads", self.global_kv_heads)):
+    kv_heads = (("num_key_value_heads", self.num_key_value_heads), ("num_global_key_value_heads", self.global_kv_heads))
+    for name, kv in kv_heads:
       if self.num_attention_heads % kv:
-        raise ConfigError(f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of {name}={kv}")
+        raise ConfigError(
+            f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of {name}={kv}")
     if self.top_k_experts > self.num_experts:
       raise ConfigError(f"ModelConfig.top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}")
     if self.rms_norm_eps <= 0:
@@ -282,7 +283,7 @@ class ModelConfig:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": True,
-        "use_bidirectional_attention": None,
+        "use_bidirectional_attention": self.use_bidirectional_attention,
     }
 
   def to_hf_config(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
@@ -290,20 +291,12 @@ class ModelConfig:
     or for a text-only model a tiny vision stub (`TINY_VISION_CONFIG`, which loads back as text-only)."""
     # transformers always builds a vision tower; a tiny one keeps `from_pretrained` cheap. Its weights are written
     # by `save_pretrained` so that the checkpoint loads without missing keys.
-    v = max(4, self.vocab_size)
-    if self.vision is not None:
-      vision, ids = self.vision.to_hf(), (self.boi_token_id, self.eoi_token_id, self.image_token_id)
-    else:
-      vision = dict(TINY_VISION_CONFIG)
-      ids = (v - 3, v - 2, v - 1) if self.vocab_size > 8 else (0, 0, 0)
+    ids = (self.boi_token_id, self.eoi_token_id, self.image_token_id)
     return {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
         "model_type": "diffusion_gemma",
         "text_config": self.to_hf_text_config(),
-        "vision_config": vision,
-        "boi_token_id": ids[0],
-        "eoi_token_id": ids[1],
-        "image_token_id": ids[2],
+        **hf_vision_fields(self.vision, ids, self.vocab_size),
         "canvas_length": self.canvas_length,
         "tie_word_embeddings": True,
         "initializer_range": self.initializer_range,

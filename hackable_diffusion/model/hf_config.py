@@ -11,23 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from hackable_diffusion.errors import ConfigError
-from hackable_diffusion.model.vision_config import VisionConfig
+from hackable_diffusion.model.vision_config import BIDIRECTIONAL_MODES, TINY_VISION_CONFIG, VisionConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-
-TINY_VISION_CONFIG: dict[str, Any] = {
-    "model_type": "gemma4_vision",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "patch_size": 4,
-    "pooling_kernel_size": 2,
-    "position_embedding_size": 64,
-}
 
 
 def is_vision_stub(vision: VisionConfig) -> bool:
@@ -77,8 +64,11 @@ def model_fields(config: Mapping[str, Any], *, vision: bool = True) -> dict[str,
     raise ConfigError(f"text_config.hidden_activation={act!r} is not supported (only gelu_pytorch_tanh)")
   if text.get("attention_bias", False):
     raise ConfigError("text_config.attention_bias=true is not supported (DiffusionGemma has no biases)")
-  if text.get("use_bidirectional_attention") == "all":
+  bidirectional = text.get("use_bidirectional_attention")
+  if bidirectional == "all":
     raise ConfigError("text_config.use_bidirectional_attention='all' is not supported (the encoder is causal)")
+  if bidirectional not in BIDIRECTIONAL_MODES:
+    raise ConfigError(f"text_config.use_bidirectional_attention={bidirectional!r}; expected null or 'vision'")
   if text.get("num_experts") in (None, 0):
     raise ConfigError("text_config.num_experts is missing: DiffusionGemma layers always have experts")
   n_layers = int(text.get("num_hidden_layers", 30))
@@ -139,6 +129,7 @@ def model_fields(config: Mapping[str, Any], *, vision: bool = True) -> dict[str,
       canvas_length=int(canvas),
       max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
       initializer_range=float(text.get("initializer_range", 0.02)),
+      use_bidirectional_attention=bidirectional,
   )
   kwargs["rope_parameters"] = rope
   if vision:

@@ -7,7 +7,8 @@ self-conditioning MLP on its input. Logits are computed by the tied embedding in
 
 A model whose config has a `vision` tower also takes images: `image_features` runs the tower once per prompt and
 `encode(..., image_features=...)` puts the soft tokens in place of the prompt's `image_token_id` tokens
-(`model.vision`); the decoder never sees pixels.
+(`model.vision`); the decoder never sees pixels. With `use_bidirectional_attention == "vision"` the tokens of each
+image also attend to each other in that encoder pass (`model.vision_attention`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
-from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure, vision
+from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure, vision, vision_attention
 from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
@@ -119,8 +120,9 @@ class DecoderLayer(nnx.Module):
     moe = self.post_feedforward_layernorm_2(moe)
     return h + self.post_feedforward_layernorm(dense + moe)
 
-  def encode(self, x, cos, sin, cache_k, cache_v, start, valid):
-    attn, cache_k, cache_v = self.self_attn.encode(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, valid)
+  def encode(self, x, cos, sin, cache_k, cache_v, start, valid, blocks=None):
+    attn, cache_k, cache_v = self.self_attn.encode(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, valid,
+                                                   blocks)
     h = x + self.post_attention_layernorm(attn)
     out = self.feed_forward(h) * self.encoder_layer_scalar[...].astype(x.dtype)
     return out, cache_k, cache_v
@@ -244,6 +246,10 @@ class DiffusionGemma(nnx.Module):
     [B, L, H] (for the encoder's autoregressive loss) and the updated cache. Positions are `length + arange(L)`.
     image_features: `image_features(...)`'s (features, mask), whose valid soft tokens replace the embeddings of the
     `image_token_id` tokens of `input_ids` in row-major order (as many as there are; `vision.num_soft_tokens`).
+    With `config.use_bidirectional_attention == "vision"`, each run of consecutive image tokens of this pass is one
+    bidirectional block (`vision_attention.image_blocks`): what transformers does given the processor's
+    `mm_token_type_ids`, which its `generate` always passes with the prompt's images. A pass without
+    `image_features` stays causal, as transformers without `mm_token_type_ids`.
     """
     b, l = input_ids.shape
     start = cache.length
@@ -253,13 +259,17 @@ class DiffusionGemma(nnx.Module):
                                                                                              start)
     rope = self._rope(positions)
     x = self.embed(input_ids)
+    blocks = None
     if image_features is not None:
       x = vision.scatter_image_features(x, input_ids, *image_features, self.config.image_token_id)
+      if self.config.use_bidirectional_attention == "vision":  # a block is at most one image's soft-token slots
+        blocks = vision_attention.image_blocks(input_ids, mask_new, self.config.image_token_id, start,
+                                               reach=image_features[0].shape[1])
     x = sharding.constrain(x, _RESIDUAL)
     run = _remat(_encode_layer, "none" if scan.is_linked(self.layers) else self.config.remat)
 
     def one(layer, x, kv):
-      x, k, v = run(layer, x, *rope[_layer_type(layer)], *kv, start, valid)
+      x, k, v = run(layer, x, *rope[_layer_type(layer)], *kv, start, valid, blocks)
       return sharding.constrain(x, _RESIDUAL), (k, v)
 
     cache = self._in_layout(cache)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from hackable_diffusion.model import layers
+from hackable_diffusion.model.vision_attention import longest_image_run
 from hackable_diffusion.model.vision_config import VisionConfig
 from hackable_diffusion.model.vision_layers import ClippableLinear, VisionEncoderLayer, axial_cos_sin
 
@@ -44,14 +45,16 @@ def pooled_slots(positions, kernel: int, length: int, xp=np):
 
 
 def soft_token_mask(positions, config: VisionConfig, xp=np):
-  """positions [N, P, 2] -> [N, P / k^2] bool: the output slots holding a soft token (some patch pools into them)."""
+  """positions [N, P, 2] -> [N, P / k^2] bool: the output slots holding a soft token (some real patch pools into
+  them); an image of padding only (an empty image) has none."""
   n, p, _ = positions.shape
   k = config.pooling_kernel_size
   length = p // (k * k)
+  real = ~(positions == -1).all(axis=-1)  # [N, P]
   if length == p:
-    return ~(positions == -1).all(axis=-1)
+    return real
   slots = pooled_slots(positions, k, length, xp)
-  return (slots[..., None] == xp.arange(length)).any(axis=1)
+  return (slots[..., None] == xp.arange(length)).any(axis=1) & real.any(axis=1)[:, None]
 
 
 def num_soft_tokens(positions, config: VisionConfig) -> np.ndarray:
@@ -85,7 +88,8 @@ def check_image_inputs(pixel_values, positions, config: VisionConfig) -> tuple[n
 def check_image_tokens(config: Any, input_ids: Any, pixel_values: Any,
                        image_position_ids: Any) -> tuple[np.ndarray, np.ndarray]:
   """Host checks of a prompt's images for the model of `config` (a `ModelConfig`): `check_image_inputs`, and that
-  `input_ids` holds exactly one image token per soft token of the images -> (pixel_values float32, positions int32).
+  `input_ids` holds exactly one image token per soft token of the images (and, for bidirectional image blocks, no
+  run of image tokens longer than one image's soft-token slots) -> (pixel_values float32, positions int32).
   One-line `ValueError`."""
   if config.vision is None:
     raise ValueError("pixel_values were given but the model has no vision tower (its config has no vision)")
@@ -97,6 +101,11 @@ def check_image_tokens(config: Any, input_ids: Any, pixel_values: Any,
   if soft != tokens:
     raise ValueError(f"the prompt holds {tokens} image tokens (id {config.image_token_id}) but its "
                      f"{pixels.shape[0]} images give {soft} soft tokens; expected one image token per soft token")
+  slots = positions.shape[1] // config.vision.pooling_kernel_size ** 2  # the band's reach (`image_blocks`)
+  run = longest_image_run(input_ids, config.image_token_id) if config.use_bidirectional_attention == "vision" else 0
+  if run > slots:
+    raise ValueError(f"the prompt holds a run of {run} consecutive image tokens, more than one image's {slots} "
+                     "soft-token slots: separate the images with their begin/end-of-image tokens")
   return pixels, positions
 
 
@@ -164,7 +173,7 @@ class VisionTower(nnx.Module):
       weights = jax.nn.one_hot(slots, length, dtype=jnp.float32) / (k * k)  # [N, P, L]
       pooled = jnp.einsum("npl,nph->nlh", weights, hidden, precision=jax.lax.Precision.HIGHEST)
       pooled = pooled.astype(self.dtype).astype(jnp.float32)  # transformers returns the average in the input dtype
-      mask = (weights != 0).any(axis=1)
+      mask = (weights != 0).any(axis=1) & (~padding).any(axis=1)[:, None]  # an empty image gives no soft token
     return pooled * math.sqrt(self.config.hidden_size), mask
 
   def __call__(self, pixel_values: Array, positions: Array) -> tuple[Array, Array]:

@@ -13,6 +13,25 @@ from typing import Any
 
 from hackable_diffusion.errors import ConfigError
 
+# The placeholder tower a text-only model writes into its `config.json` (transformers always builds a tower); such a
+# checkpoint loads back as text-only (`hf_config.is_vision_stub`).
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": 4,
+    "pooling_kernel_size": 2,
+    "position_embedding_size": 64,
+}
+# `ModelConfig.use_bidirectional_attention` (HF `text_config.use_bidirectional_attention`): None, a causal encoder;
+# "vision", the image tokens of one image also see each other in the encoder pass (`model.vision_attention`).
+BIDIRECTIONAL_MODES = (None, "vision")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
   """The Gemma 4 vision encoder: patch embedding, `num_hidden_layers` bidirectional layers with 2-D (axial) RoPE,
@@ -125,4 +144,30 @@ class VisionConfig:
     }
 
 
-__all__ = ["VisionConfig"]
+def checked_vision(vision: Any, image_token_id: int | None, use_bidirectional_attention: Any) -> VisionConfig | None:
+  """`ModelConfig.vision` as a `VisionConfig` (a dict of its fields is accepted), checked together with the image
+  token and the encoder's bidirectional mode. One-line `ConfigError`."""
+  if isinstance(vision, Mapping):
+    vision = VisionConfig(**vision)
+  elif vision is not None and not isinstance(vision, VisionConfig):
+    raise ConfigError(f"ModelConfig.vision={vision!r}; expected a VisionConfig, a dict of its fields or None")
+  if vision is not None and image_token_id is None:
+    raise ConfigError("ModelConfig.vision is set but image_token_id is None: the prompt needs an image token")
+  if use_bidirectional_attention not in BIDIRECTIONAL_MODES:
+    raise ConfigError(f"ModelConfig.use_bidirectional_attention={use_bidirectional_attention!r}; expected one of "
+                      f"{BIDIRECTIONAL_MODES} ('all', a bidirectional encoder, is not supported)")
+  return vision
+
+
+def hf_vision_fields(vision: VisionConfig | None, token_ids: tuple[Any, Any, Any], vocab_size: int) -> dict[str, Any]:
+  """The vision keys of a top-level `config.json`: `vision_config` and the (boi, eoi, image) token ids; a text-only
+  model gets `TINY_VISION_CONFIG` and the last three ids of its vocabulary (0s for a vocabulary of 8 or fewer)."""
+  if vision is not None:
+    config, ids = vision.to_hf(), token_ids
+  else:
+    v = max(4, vocab_size)
+    config, ids = dict(TINY_VISION_CONFIG), (v - 3, v - 2, v - 1) if vocab_size > 8 else (0, 0, 0)
+  return {"vision_config": config, "boi_token_id": ids[0], "eoi_token_id": ids[1], "image_token_id": ids[2]}
+
+
+__all__ = ["BIDIRECTIONAL_MODES", "TINY_VISION_CONFIG", "VisionConfig", "checked_vision", "hf_vision_fields"]

@@ -76,6 +76,18 @@ def test_padding_patches_change_nothing(pair, inputs):
   assert np.abs(np.asarray(a)[m] - np.asarray(b)[m]).max() <= 1e-6
 
 
+def test_an_empty_image_gives_no_soft_token(pair, inputs):
+  """An image of padding patches only (how a batch pads its number of images) has no soft token, on the host and in
+  the tower's mask; the real images keep theirs."""
+  _, ours, _ = pair
+  pixels, positions = inputs
+  pixels, positions = pixels.copy(), positions.copy()
+  pixels[1], positions[1] = 0.0, -1
+  np.testing.assert_array_equal(vision.num_soft_tokens(positions, ours.config.vision), [6, 0, 3, 16])
+  _, mask = _features(ours, jnp.asarray(pixels), jnp.asarray(positions))
+  np.testing.assert_array_equal(np.asarray(mask).sum(-1), [6, 0, 3, 16])
+
+
 def test_scatter_places_soft_tokens_in_row_major_order():
   # two rows, three images (image 0 and 1 in row 0): soft tokens are taken image by image, valid slots only
   features = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)

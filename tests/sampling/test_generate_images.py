@@ -1,5 +1,7 @@
 """Prompts with images: the whole model's logits and `hd.generate` equal transformers' with `pixel_values`, on a
-held-out tiny config (1-2 images per prompt, left padding), and the image token count is checked."""
+held-out tiny config (1-2 images per prompt, left padding), also with bidirectional image blocks
+(`use_bidirectional_attention="vision"`, transformers given the processor's `mm_token_type_ids`), and the image token
+count is checked."""
 
 from __future__ import annotations
 
@@ -37,10 +39,25 @@ def inputs():
   return ids, mask, pixels, positions, starts, rows
 
 
-def _torch_logits(ref, ids, mask, canvas, pixels, positions) -> np.ndarray:
+@pytest.fixture(scope="module")
+def vision_pair(tmp_path_factory):
+  """The same weights with `use_bidirectional_attention="vision"`: each image's tokens attend to each other."""
+  path = str(tmp_path_factory.mktemp("vision_blocks_ref"))
+  ref = vr.reference(path, use_bidirectional_attention="vision")
+  return ref, hd.load_pretrained(path)
+
+
+def _torch_logits(ref, ids, mask, canvas, pixels, positions, mm_token_type_ids=None) -> np.ndarray:
+  """transformers' logits; with `mm_token_type_ids`, the encoder mask built as its `generate` builds it (its
+  `forward` given a 2-D mask leaves the encoder causal whatever the config)."""
   decoder_mask = np.concatenate([mask, np.ones_like(canvas)], axis=1)
+  encoder_mask = torch.tensor(mask)
+  if mm_token_type_ids is not None:
+    encoder_mask = ref.model.encoder.create_masks_for_generate(
+        config=ref.config, inputs_embeds=torch.empty((*ids.shape, 0)), attention_mask=encoder_mask.bool(),
+        past_key_values=None, position_ids=None, mm_token_type_ids=torch.tensor(mm_token_type_ids))
   with torch.no_grad():
-    out = ref(input_ids=torch.tensor(ids), decoder_input_ids=torch.tensor(canvas), attention_mask=torch.tensor(mask),
+    out = ref(input_ids=torch.tensor(ids), decoder_input_ids=torch.tensor(canvas), attention_mask=encoder_mask,
               decoder_attention_mask=torch.tensor(decoder_mask), pixel_values=torch.tensor(pixels),
               image_position_ids=torch.tensor(positions))
   return out.logits.numpy()
@@ -59,6 +76,22 @@ def test_logits_with_images_and_left_padding(pair, inputs):
   # the images matter: the same prompt with other pixels gives other logits
   other = _torch_logits(ref, ids, mask, canvas, 1.0 - pixels, positions)
   assert np.abs(other - expected).max() > 1e-2 * scale
+
+
+def test_logits_with_bidirectional_image_blocks(vision_pair, inputs):
+  ref, ours = vision_pair
+  ids, mask, pixels, positions, starts, _ = inputs
+  assert ours.config.use_bidirectional_attention == "vision"
+  canvas = starts[0]
+  expected = _torch_logits(ref, ids, mask, canvas, pixels, positions, vr.mm_token_type_ids(ids))
+  got = np.asarray(forward(ours, ids.astype(np.int32), canvas.astype(np.int32), attention_mask=mask.astype(bool),
+                           pixel_values=pixels, image_position_ids=positions))
+  scale = np.abs(expected).max()
+  assert scale > 1.0
+  assert np.abs(got - expected).max() <= 1e-4 * scale
+  # the blocks matter: the causal encoder (no mm_token_type_ids) gives other logits
+  causal = _torch_logits(ref, ids, mask, canvas, pixels, positions)
+  assert np.abs(causal - expected).max() > 1e-2 * scale
 
 
 def _hf_generate(ref, ids, mask, pixels, positions, starts, monkeypatch, **kwargs):
@@ -107,6 +140,22 @@ def test_generate_with_images_matches_transformers(pair, inputs, monkeypatch):
   np.testing.assert_allclose(np.asarray(out.tokens_per_forward), expected_tpf, rtol=1e-6)
   # one prompt encoding with the vision tower, one plain encoding of the committed canvas: two programs traced
   assert programs.trace_counts()["encode"] - before <= 2
+
+
+def test_generate_with_bidirectional_image_blocks_matches_transformers(vision_pair, pair, inputs, monkeypatch):
+  ref, ours = vision_pair
+  ids, mask, pixels, positions, starts, _ = inputs
+  common = dict(max_new_tokens=CANVASES * vr.CANVAS, max_denoising_steps=STEPS, pad_token_id=0, eos_token_id=1, **DET)
+  expected, expected_tpf = _hf_generate(ref, ids, mask, pixels, positions, starts, monkeypatch,
+                                        mm_token_type_ids=torch.tensor(vr.mm_token_type_ids(ids)), **common)
+  run = lambda model: hd.generate(model, ids, hd.SamplingConfig(**common), rng=jax.random.key(0),  # noqa: E731
+                                  attention_mask=mask, seed_canvas=np.concatenate(list(starts), axis=1),
+                                  pixel_values=pixels, image_position_ids=positions)
+  out = run(ours)
+  np.testing.assert_array_equal(np.asarray(out.sequences), expected)
+  np.testing.assert_allclose(np.asarray(out.tokens_per_forward), expected_tpf, rtol=1e-6)
+  # the causal model (same weights) answers differently on these prompts
+  assert (np.asarray(run(pair[1]).sequences) != expected).any()
 
 
 @pytest.mark.parametrize("change, message", [
