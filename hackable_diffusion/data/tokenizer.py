@@ -333,8 +333,7 @@ def train_tokenizer(
     out_path = os.fspath(out_path)
     if out_path.endswith('.model'):
       os.makedirs(os.path.dirname(out_path) or '.', exist_ok=True)
-      with open(out_path, 'wb') as f:
-        f.write(tok.model_proto)
+      write_atomic(out_path, tok.model_proto)
     else:
       tok.save(out_path)
   return tok

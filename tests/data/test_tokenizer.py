@@ -105,3 +105,14 @@ def test_load_invalid_model_file(tmp_path):
   bad.write_bytes(b'not a model')
   with pytest.raises(ValueError, match='tokenizer.model'):
     Tokenizer.load(bad)
+
+
+def test_a_trained_tokenizer_is_never_written_through_a_symbolic_link(tmp_path):
+  from hackable_diffusion.errors import UnsafePathError
+
+  victim = tmp_path / 'victim'
+  victim.write_text('keep')
+  (tmp_path / 'tok.model').symlink_to(victim)
+  with pytest.raises(UnsafePathError):
+    train_tokenizer(['abc'], tmp_path / 'tok.model')
+  assert victim.read_text() == 'keep'

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tqdm
 
+from hackable_diffusion.files import write_atomic
 from hackable_diffusion.tasks.sudoku import formatting, generator
 
 __all__ = ['SPLITS', 'dataset_paths', 'ensure_dataset', 'split_seed', 'write_dataset']
@@ -183,8 +184,6 @@ def _claim(puzzles: np.ndarray, rows: Sequence[int], seen: set[str]) -> list[int
 
 
 def _write_jsonl(path: pathlib.Path, data: generator.SudokuDataset) -> None:
-  with open(path, 'w', encoding='utf-8') as f:
-    for puzzle, solution in zip(data.puzzles, data.solutions):
-      f.write(json.dumps(formatting.to_record(puzzle, solution)) + '\n')
-    f.flush()
-    os.fsync(f.fileno())
+  """One JSON record per puzzle, written atomically and never through a symbolic link (`files.write_atomic`)."""
+  write_atomic(path, ''.join(json.dumps(formatting.to_record(puzzle, solution)) + '\n'
+                             for puzzle, solution in zip(data.puzzles, data.solutions)))

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from hackable_diffusion.files import write_figure
 from hackable_diffusion.tasks.sudoku import formatting
 
 
@@ -64,5 +65,5 @@ def plot_canvas_trajectory(trajectory: Mapping[str, Any], path: str, *, max_fram
     ax.set_aspect("equal")
   fig.suptitle("argmax canvas after each denoising step (green: matches the solution, red: does not)", fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  write_figure(fig, path)  # never through a symbolic link
   return path

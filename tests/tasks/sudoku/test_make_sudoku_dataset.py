@@ -195,3 +195,16 @@ def test_cli(tmp_path):
 
   bad = run_cli(f'--out_dir={tmp_path / "x"}', '--hard_givens=10,20')
   assert bad.returncode != 0 and 'hard_givens must be' in bad.stderr
+
+
+def test_a_split_is_never_written_through_a_symbolic_link(tmp_path):
+  from hackable_diffusion.errors import UnsafePathError
+
+  victim = tmp_path / 'victim'
+  victim.write_text('keep')
+  out_dir = tmp_path / 'd'
+  out_dir.mkdir()
+  (out_dir / f'train.jsonl.tmp-{os.getpid()}').symlink_to(victim)  # planted at the temporary name of this process
+  with pytest.raises(UnsafePathError):
+    write(out_dir, num_train=3)
+  assert victim.read_text() == 'keep' and not any(p.name.endswith('.jsonl') for p in out_dir.iterdir())
