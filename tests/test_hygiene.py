@@ -36,6 +36,7 @@ SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ipynb_ch
 ROOT_SKIP_DIRS = {"runs"}  # training outputs (`--workdir=runs/NAME`); the package's own runs/ is source
 README_MAX_LINE = 200
 README_MAX_LINES = 120
+DOCS_MAX_BYTES = 150_000  # docs/ is a reference manual, not a diary: new pages make room by tightening old ones
 
 
 def _tracked_files() -> list[str]:
@@ -104,3 +105,12 @@ def test_readme_is_short():
                 if len(line) > README_MAX_LINE]
   assert not long_lines, f"README.md lines over {README_MAX_LINE} characters:\n" + "\n".join(long_lines)
   assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+
+
+def test_docs_stay_a_manual_not_a_diary():
+  """All of docs/ together stays within DOCS_MAX_BYTES."""
+  docs = [f for f in _tracked_files() if f.startswith("docs/") and f.endswith(".md")]
+  sizes = {f: os.path.getsize(os.path.join(ROOT, f)) for f in docs if os.path.exists(os.path.join(ROOT, f))}
+  assert docs and sum(sizes.values()) <= DOCS_MAX_BYTES, (
+      f"docs/ holds {sum(sizes.values())} bytes (at most {DOCS_MAX_BYTES}); largest: "
+      f"{sorted(sizes.items(), key=lambda kv: -kv[1])[:3]}")
