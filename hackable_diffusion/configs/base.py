@@ -116,7 +116,12 @@ def get_config() -> ml_collections.ConfigDict:
           entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
           confidence_threshold=0.005,
           acceptance="entropy_bound",  # or 'top_k' / 'confidence_threshold' / 'package.module:Rule'
+          # with eval.checker: raise flagged entropies / drop their self-conditioning / restart invalid rows
+          checker_confidence=False, checker_forget=False, checker_restarts=0,
+          checker_step_budget=config_dict.placeholder(int),  # forwards per row and canvas (unset: (restarts+1)*cap)
       )),
+      checker=False,  # the sampler re-noises what the task's checker flags (a task with a `checker` hook)
+      samples_per_prompt=1,  # tries per example; later tries only for examples the checker rejects
       seed=0,
       num_samples=8,  # examples shown in the evaluation report
   ))

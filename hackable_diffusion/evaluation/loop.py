@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -38,8 +37,11 @@ from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
+from hackable_diffusion.evaluation import tries as tries_lib
 from hackable_diffusion.files import check_not_link, makedirs_no_link, write_figure, write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
+from hackable_diffusion.tasks.base import checker as task_checker
+from hackable_diffusion.sampling.checker import Checker
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
 from hackable_diffusion.sampling.stream import StreamRequest, generate_stream, longest_first
@@ -83,6 +85,8 @@ class EvalRun:
   sampling: SamplingConfig
   task: Task | None = None  # overrides the evaluation's task (an ablation, e.g. Sudoku without pinned givens)
   ablation: str | None = None
+  checker: bool = False  # the sampler re-noises what the task's checker flags (`eval.checker`)
+  samples_per_prompt: int = 1  # tries per example, the first valid one kept (`eval.samples_per_prompt`)
 
 
 def ablation_runs(eval_cfg: Any, max_new_tokens: int, make_task: Callable[[Mapping[str, Any]], Task]) -> list[EvalRun]:
@@ -92,19 +96,22 @@ def ablation_runs(eval_cfg: Any, max_new_tokens: int, make_task: Callable[[Mappi
     return []
   steps = int(eval_cfg.ablation_steps)
   sampling = eval_runs(eval_cfg, max_new_tokens)[0].sampling.replace(max_denoising_steps=steps, early_stopping=False)
-  return [EvalRun(name=f"steps_{steps}/{name}", sampling=sampling, task=make_task(dict(args)), ablation=name)
-          for name, args in eval_cfg.ablations.items()]
+  return [EvalRun(name=f"steps_{steps}/{name}", sampling=sampling.replace(
+                  checker_confidence=False, checker_forget=False, checker_restarts=0, checker_step_budget=None),
+                  task=make_task(dict(args)), ablation=name) for name, args in eval_cfg.ablations.items()]
 
 
 def eval_runs(eval_cfg: Any, max_new_tokens: int) -> list[EvalRun]:
   """The runs of `eval_cfg` (an `EvalSection`, whose `sampling` is the sampler of every run): one per step budget
   without early stopping, one with early stopping."""
   base = eval_cfg.sampling.replace(max_new_tokens=max_new_tokens)
-  runs = [EvalRun(name=f"steps_{n}", sampling=base.replace(max_denoising_steps=int(n), early_stopping=False))
+  extra = dict(checker=bool(getattr(eval_cfg, "checker", False)),
+               samples_per_prompt=int(getattr(eval_cfg, "samples_per_prompt", 1)))
+  runs = [EvalRun(name=f"steps_{n}", sampling=base.replace(max_denoising_steps=int(n), early_stopping=False), **extra)
           for n in sorted(set(eval_cfg.step_budgets))]
   runs.append(EvalRun(name="early_stopping",
                       sampling=base.replace(max_denoising_steps=int(eval_cfg.early_stopping_steps),
-                                            early_stopping=True)))
+                                            early_stopping=True), **extra))
   return runs
 
 
@@ -168,7 +175,8 @@ def _start_canvas(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: Sa
 
 # the settings that decide what a run samples (besides its step cap and early stopping), recorded in its report entry
 SAMPLER_FIELDS = ("t_min", "t_max", "entropy_bound", "confidence_threshold", "stability_threshold", "acceptance",
-                  "self_conditioning")
+                  "self_conditioning", "checker_confidence", "checker_forget", "checker_restarts",
+                  "checker_step_budget")
 
 
 def sampler_fields(sampling: SamplingConfig) -> dict[str, Any]:
@@ -189,11 +197,13 @@ def one_width(sampling: SamplingConfig) -> SamplingConfig:
 
 
 def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
-                     rng: jax.Array, mesh: Mesh | None = None) -> list[str]:
+                     rng: jax.Array, mesh: Mesh | None = None, checker: Checker | None = None) -> list[str]:
   """The first example's argmax canvas after every denoising step, decoded (batch 1 - on a mesh padded to its
-  batch shards -, the task's sampler hooks). Steps after the row stopped are not repeated: the list has one entry
-  per step the sampler took."""
-  sampling = one_width(sampling)
+  batch shards -, the task's sampler hooks; `checker`: re-noising by it, without restarts). Steps after the row
+  stopped are not repeated: the list has one entry per step the sampler took."""
+  sampling = one_width(sampling).replace(checker_restarts=0, checker_step_budget=None)
+  if checker is None:
+    sampling = sampling.replace(checker_confidence=False, checker_forget=False)
   canvas = sampling.canvas_length or model.config.canvas_length
   rows = batch_rows(1, 1, mesh)
   kwargs: dict[str, Any] = {}
@@ -203,15 +213,24 @@ def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling:
                   pinned=_pad_rows(np.asarray(seeded[1])[:, :canvas], rows))
   out = generate(model, _pad_rows(data.records.prompt_ids[:1], rows), sampling.replace(max_new_tokens=canvas),
                  rng=rng, attention_mask=_pad_rows(data.records.prompt_mask[:1], rows),
-                 allowed_token_ids=task.allowed_token_ids(tokenizer), return_trajectory=True, mesh=mesh, **kwargs)
+                 allowed_token_ids=task.allowed_token_ids(tokenizer), return_trajectory=True, mesh=mesh,
+                 checker=checker, **kwargs)
   taken = int(np.asarray(out.denoising_steps)[0, 0])
   frames = np.asarray(out.trajectory)[0, :taken, 0]  # [steps, C]
   return [tokenizer.decode(f) for f in frames]
 
 
 def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: SamplingConfig, task: Task, *,
-                   batch_size: int, rng: jax.Array, mesh: Mesh | None = None) -> tuple[list[str], dict[str, float]]:
+                   batch_size: int, rng: jax.Array, mesh: Mesh | None = None, checker: Checker | None = None,
+                   samples_per_prompt: int = 1,
+                   valid: Checker | None = None) -> tuple[list[str], dict[str, float]]:
   """Generates a completion for every example; returns the decoded texts and sampler statistics.
+
+  `checker`: the sampler re-noises what it flags (`generate(checker=...)`). `samples_per_prompt = N > 1` (needs
+  `valid`, a checker): up to N tries per example, a further try only for the examples `valid` rejected in every
+  earlier one (`evaluation.tries`); an example keeps its first valid try, else its first. Statistics:
+  `mean_denoising_steps` and `tokens_per_forward` of the kept tries; `forwards_per_example` (decoder forwards per
+  example over every try) and `tries_per_example`.
 
   Example `i` samples with its own key `fold_in(rng, i)` (the per-row loop, `sampling.denoise_rows`), so its
   completion does not depend on the batch it runs in. On one device the examples stream through `batch_size` slots
@@ -224,13 +243,37 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
   completion tokens (`pinned_field`) with noise drawn per example, else noise from each example's key. With the
   built-in tasks an example's completion therefore does not depend on `batch_size`.
   """
+  if samples_per_prompt > 1 and valid is None:
+    raise ConfigError(f"eval.samples_per_prompt={samples_per_prompt} needs a task with a checker (to tell a valid "
+                      f"try), task {getattr(task, 'name', type(task).__name__)!r} has none")
+  n = len(data)
+
+  def sample(indices: np.ndarray, keys: jax.Array) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
+    part = data if len(indices) == n else EvalData(records=data.records.select(indices),
+                                                   examples=[data.examples[i] for i in indices])
+    return _sample_examples(model, part, sampling, task, tokenizer, keys, batch_size=batch_size, mesh=mesh,
+                            checker=checker)
+
+  tried = tries_lib.sample_tries(sample, n, rng, samples_per_prompt, valid)
+  texts = [tokenizer.decode(t) for t in tried.new_tokens]
+  steps_per_canvas = [s[s > 0].mean() if (s > 0).any() else 0.0 for s in tried.step_rows]
+  stats = {"mean_denoising_steps": float(np.mean(steps_per_canvas)),
+           "tokens_per_forward": float(np.mean(tried.tokens_per_forward)),
+           "forwards_per_example": float(tried.forwards.mean()), "tries_per_example": float(tried.tries.mean())}
+  return texts, stats
+
+
+def _sample_examples(model: Any, data: EvalData, sampling: SamplingConfig, task: Task, tokenizer: Tokenizer,
+                     keys: jax.Array, *, batch_size: int, mesh: Mesh | None,
+                     checker: Checker | None) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
+  """(new tokens, forwards per canvas, tokens per forward) of every example of `data`, example `i` with `keys[i]`
+  (the sampling of `generate_texts`)."""
   n = len(data)
   prompt_ids, prompt_mask = data.records.prompt_ids, data.records.prompt_mask
   width = prompt_ids.shape[1]
   sampling = one_width(sampling)
   allowed = task.allowed_token_ids(tokenizer)
   per = min(batch_size, n)  # examples per batch: the same batches (and seed canvases) with and without a mesh
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(n))  # [n] one key per example
   seeds, pins = [], []
   for start in range(0, n, per):
     seeded = _start_canvas(model, tokenizer, data, sampling, task, slice(start, min(start + per, n)))
@@ -244,23 +287,21 @@ def generate_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling: S
     order = longest_first(pinned) if pinned is not None and sampling.early_stopping else np.arange(n)
     requests = (StreamRequest(prompt_ids[i], prompt_mask[i], None if seed_ids is None else seed_ids[i],
                               None if pinned is None else pinned[i], keys[i]) for i in order)
-    outs = sorted(generate_stream(model, requests, sampling, rng=rng, batch_size=per, prompt_length=width,
-                                  allowed_token_ids=allowed), key=lambda o: order[o.index])
+    outs = sorted(generate_stream(model, requests, sampling, rng=keys[0], batch_size=per, prompt_length=width,
+                                  allowed_token_ids=allowed, checker=checker), key=lambda o: order[o.index])
     new_tokens = [o.sequence[int(prompt_mask[order[o.index]].sum()):] for o in outs]
     step_rows = [o.denoising_steps for o in outs]
     tpf = [o.tokens_per_forward for o in outs]
   else:
     new_tokens, step_rows, tpf = _generate_on_mesh(model, data, sampling, allowed, keys, seed_ids, pinned,
-                                                   batch_size=batch_size, mesh=mesh)
-  texts = [tokenizer.decode(t) for t in new_tokens]
-  steps_per_canvas = [s[s > 0].mean() if (s > 0).any() else 0.0 for s in step_rows]
-  stats = {"mean_denoising_steps": float(np.mean(steps_per_canvas)), "tokens_per_forward": float(np.mean(tpf))}
-  return texts, stats
+                                                   batch_size=batch_size, mesh=mesh, checker=checker)
+  return new_tokens, step_rows, tpf
 
 
 def _generate_on_mesh(model: Any, data: EvalData, sampling: SamplingConfig, allowed: Any, keys: jax.Array,
                       seed_ids: np.ndarray | None, pinned: np.ndarray | None, *, batch_size: int,
-                      mesh: Mesh) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
+                      mesh: Mesh,
+                      checker: Checker | None = None) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
   """`generate` over batches on `mesh` with one key per example: (new tokens, forwards per canvas, tokens per
   forward) per example."""
   n = len(data)
@@ -276,7 +317,8 @@ def _generate_on_mesh(model: Any, data: EvalData, sampling: SamplingConfig, allo
       kwargs.update(seed_canvas=_pad_rows(seed_ids[sl], bs), pinned=_pad_rows(pinned[sl], bs))
     row_keys = keys[np.concatenate([np.arange(sl.start, sl.stop), np.full(bs - rows, sl.start)])]
     out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=row_keys,
-                   attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, mesh=mesh, **kwargs)
+                   attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, mesh=mesh, checker=checker,
+                   **kwargs)
     steps = np.asarray(out.denoising_steps)[:rows]
     canvas = out.sequences.shape[1] - prompt_ids.shape[1]
     canvas //= steps.shape[1]
@@ -312,13 +354,16 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
   for run in runs:
     t0 = time.perf_counter()
     run_task = run.task or task
+    task_checker = _run_checker(run, run_task, tokenizer)
     texts, stats = generate_texts(model, tokenizer, data, run.sampling, run_task, batch_size=batch_size, rng=rng,
-                                  mesh=mesh)
+                                  mesh=mesh, checker=task_checker if run.checker else None,
+                                  samples_per_prompt=run.samples_per_prompt, valid=task_checker)
     metrics = {k: float(v) for k, v in run_task.metrics(texts, data.examples).items()}
     seconds = time.perf_counter() - t0
     report["runs"].append({"name": run.name, "max_denoising_steps": run.sampling.max_denoising_steps,
                            "early_stopping": run.sampling.early_stopping, "ablation": run.ablation,
-                           "sampling": sampler_fields(run.sampling),
+                           "sampling": sampler_fields(run.sampling), "checker": run.checker,
+                           "samples_per_prompt": run.samples_per_prompt,
                            "metrics": metrics, **stats, "seconds": round(seconds, 3)})
     if run.ablation is None:
       samples = texts
@@ -333,12 +378,23 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
     # the first example's canvas after every step of the last main run (early stopping by default)
     run = main_runs[-1]
     steps = trajectory_texts(model, tokenizer, data, run.sampling, task, rng=jax.random.fold_in(rng, 1_000_003),
-                             mesh=mesh)
+                             mesh=mesh, checker=_run_checker(run, task, tokenizer) if run.checker else None)
     report["trajectory"] = {"run": run.name, "prompt": data.examples[0].prompt,
                             "target": data.examples[0].completion, "steps": steps}
   if out_dir is not None:
     write_report(report, out_dir, task=task)
   return report
+
+
+def _run_checker(run: EvalRun, task: Task, tokenizer: Tokenizer) -> Checker | None:
+  """The task's checker when `run` uses one (re-noising or several tries); a one-line error when it has none."""
+  if not run.checker and run.samples_per_prompt <= 1:
+    return None
+  found = task_checker(task, tokenizer)
+  if found is None:
+    raise ConfigError(f"eval.checker / eval.samples_per_prompt need a task with a checker; task "
+                      f"{getattr(task, 'name', type(task).__name__)!r} has none (its checker(tokenizer) hook)")
+  return found
 
 
 def _json_clean(x: Any) -> Any:

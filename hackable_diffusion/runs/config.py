@@ -299,6 +299,11 @@ class EvalSection:
     max_new_tokens from the keys above.
   ablations: name -> task-argument overrides, each evaluated once at `ablation_steps` (fixed steps; 0 turns
     them off), e.g. `{'no_pins': {'pin_givens': False}}` reports a puzzle task without pinning its givens.
+  checker: the sampler re-noises what the task's checker flags (`tasks.base.checker`; off by default), with the
+    options `sampling.checker_confidence` / `checker_forget` / `checker_restarts` / `checker_step_budget` (which
+    need it).
+  samples_per_prompt: tries per example (1: one); each further try samples only the examples whose earlier tries
+    the task's checker rejects, and the first valid try is kept (needs a task with a checker).
   """
 
   task: str = ""
@@ -314,6 +319,8 @@ class EvalSection:
   ablation_steps: int = 0
   ablations: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   sampling: SamplingConfig = SamplingConfig()
+  checker: bool = False
+  samples_per_prompt: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "step_budgets", tuple(self.step_budgets))
@@ -324,8 +331,13 @@ class EvalSection:
         raise ConfigError(f"eval.ablations.{name}={args!r}; expected a mapping of task arguments to override")
     if not (_is_int(self.ablation_steps) and self.ablation_steps >= 0):
       raise ConfigError(f"eval.ablation_steps={self.ablation_steps!r}; expected an integer >= 0 (0: no ablation runs)")
-    for name in ("num_examples", "batch_size", "early_stopping_steps"):
+    for name in ("num_examples", "batch_size", "early_stopping_steps", "samples_per_prompt"):
       _positive_int("eval", name, getattr(self, name))
+    if not isinstance(self.checker, bool):
+      raise ConfigError(f"eval.checker={self.checker!r}; expected a bool")
+    if self.sampling.uses_checker and not self.checker:
+      raise ConfigError("eval.sampling.checker_* options need eval.checker=True (the task's checker in the "
+                        "sampler)")
     for name in ("max_new_tokens", "num_samples"):
       _positive_int("eval", name, getattr(self, name), allow_zero=True)
     if not _is_int(self.seed):

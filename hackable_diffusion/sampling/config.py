@@ -74,6 +74,16 @@ class SamplingConfig:
     acceptance_args: keyword arguments of the rule (a dict at construction; stored as a sorted tuple of
       `(name, value)` pairs so the config stays hashable), e.g. `{'k': 8}` for 'top_k'. 'entropy_bound' without
       a `bound` takes `entropy_bound` above.
+    checker_confidence: with a checker (`generate(..., checker=...)`, `sampling.checker`), also raise the entropy
+      of the positions it flags to `log V` and let no row stop early while it has a flagged position (flagged
+      positions are re-noised whether or not this is set). Needs a checker.
+    checker_forget: with a checker, flagged positions also lose their self-conditioning input (zero, as at the
+      first step), so the next step does not see the rejected prediction there.
+    checker_restarts: with a checker, a row that ends a canvas with a flagged position starts it again from noise
+      (pins kept), at most this many times per canvas (0: never). Needs a checker.
+    checker_step_budget: decoder forwards per row and canvas, restarts included (None: `(checker_restarts + 1) *
+      max_denoising_steps`); an attempt still running when the budget is spent ends there. Needs
+      `checker_restarts > 0`.
   """
 
   max_new_tokens: int = 256
@@ -91,6 +101,10 @@ class SamplingConfig:
   prompt_length_buckets: tuple[int, ...] = dataclasses.field(default_factory=_default_buckets)
   acceptance: str = "entropy_bound"
   acceptance_args: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
+  checker_confidence: bool = False
+  checker_forget: bool = False
+  checker_restarts: int = 0
+  checker_step_budget: int | None = None
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> SamplingConfig:
@@ -152,6 +166,31 @@ class SamplingConfig:
       _fail("prompt_length_buckets", buckets, "must be strictly increasing")
     object.__setattr__(self, "prompt_length_buckets", buckets)
     self._check_acceptance()
+    self._check_checker()
+
+  def _check_checker(self) -> None:
+    for name in ("checker_confidence", "checker_forget"):
+      if not isinstance(getattr(self, name), bool):
+        _fail(name, getattr(self, name), "must be a bool")
+    if not _is_int(self.checker_restarts) or self.checker_restarts < 0:
+      _fail("checker_restarts", self.checker_restarts, "must be an integer >= 0 (0: no restarts)")
+    budget = self.checker_step_budget
+    if budget is not None:
+      if not _is_int(budget) or budget < 1:
+        _fail("checker_step_budget", budget, "must be a positive integer or None")
+      if self.checker_restarts == 0:
+        _fail("checker_step_budget", budget, "needs checker_restarts > 0 (it caps the forwards of the restarts)")
+
+  @property
+  def uses_checker(self) -> bool:
+    """Whether a checker option is set (then `generate` needs a checker)."""
+    return self.checker_confidence or self.checker_forget or self.checker_restarts > 0
+
+  def checker_budget(self) -> int:
+    """Decoder forwards per row and canvas with checker restarts (`checker_step_budget` or its default)."""
+    if self.checker_step_budget is not None:
+      return self.checker_step_budget
+    return (self.checker_restarts + 1) * self.max_denoising_steps
 
   def _check_acceptance(self) -> None:
     if not isinstance(self.acceptance, str) or not self.acceptance:

@@ -9,6 +9,7 @@
         the processed logits in two passes over [B, C, V] (`entropy_bound.step_statistics`: one fused reduce,
         one elementwise pass writing the weights)
       accept <- rule(entropies, processed, n, N) | pinned;  re-noise the rest
+        (with a checker: minus the positions it flags on the argmax canvas, `sampling.checker`)
       next self-conditioning input <- (weights @ embed) / sum of weights   [B, C, H]
       per row: stop when stable and confident (if early stopping); finished rows are frozen
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hackable_diffusion.sampling import checker as checker_lib
 from hackable_diffusion.sampling import entropy_bound as eb
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.rules import AcceptanceRule
@@ -104,6 +106,11 @@ class DenoiseStatic:
   has_callback: bool
   trajectory_steps: int | None  # N when the trajectory is recorded
   self_conditioning: bool = True  # False: every step decodes with the self-conditioning input off
+  has_checker: bool = False  # a checker re-noises the positions it flags (`sampling.checker`)
+  static_checker: Any = None  # a checker that is not a pytree (then `CheckerArg.checker` is None)
+  checker_confidence: bool = False  # flagged positions get entropy log V; no early stop while one is flagged
+  checker_forget: bool = False  # flagged positions lose their self-conditioning input
+  checker_restarts: bool = False  # rows ending a canvas with a violation restart (the per-row loop only)
 
 
 def self_conditioning_embeddings(embed: Array, dtype: Any, weights: Array, total: Array) -> Array:
@@ -134,6 +141,33 @@ def canvas_logits(model: Any, static: DenoiseStatic, canvas: Array, cache: Any, 
   return logits
 
 
+def checked_entropy(static: DenoiseStatic, checker_arg: checker_lib.CheckerArg | None, argmax: Array,
+                    token_entropy: Array, pinned: Array) -> tuple[Array | None, Array]:
+  """(the positions the checker flags on `argmax [B, C]` or None without a checker, the entropies `[B, C]` the rule
+  and the stopping test see: raised to `log V` on flagged positions with `checker_confidence`)."""
+  if not static.has_checker:
+    return None, token_entropy
+  checker = static.static_checker if static.static_checker is not None else checker_arg.checker
+  flagged = checker_lib.violations(checker, argmax, pinned if static.has_pins else None)
+  if static.checker_confidence:
+    token_entropy = checker_lib.raise_entropy(token_entropy, flagged, static.vocab_size)
+  return flagged, token_entropy
+
+
+def checked_soft(static: DenoiseStatic, soft: Array, flagged: Array | None) -> Array:
+  """The next self-conditioning input `[B, C, H]`, zero on flagged positions with `checker_forget`."""
+  if flagged is None or not static.checker_forget:
+    return soft
+  return jnp.where(flagged[..., None], jnp.zeros((), soft.dtype), soft)
+
+
+def checked_stop(static: DenoiseStatic, stop: Array, flagged: Array | None) -> Array:
+  """The stop decision `[B]`, False for a row with a flagged position when `checker_confidence`."""
+  if flagged is None or not static.checker_confidence:
+    return stop
+  return stop & ~jnp.any(flagged, axis=-1)
+
+
 # on_step(call_id, canvas_index, step, argmax [B, C], done [B]): host side, through `jax.debug.callback`
 StepHook = Callable[[Any, Any, Any, Any, Any], None]
 
@@ -143,13 +177,16 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
   """The traced denoising loop of one canvas (to be `jax.jit`ted).
 
   Returns `denoise(state, cache, key, seed_canvas [B, C], use_seed [], pinned [B, C], allowed [B, V],
-  structure, frozen [B], scalars, rule, call_id []) -> (argmax canvas [B, C] int32, decoder forwards [B] int32,
-  trajectory [N, B, C] int32 or None)`. `rule` is the traced acceptance rule (None when `static.static_rule` is
-  set); `on_trace()` is called at every trace; `on_step` (with `static.has_callback`) after every step.
+  structure, frozen [B], scalars, rule, checker_arg, call_id []) -> (argmax canvas [B, C] int32, decoder forwards
+  [B] int32, trajectory [N, B, C] int32 or None)`. `rule` is the traced acceptance rule (None when
+  `static.static_rule` is set); `checker_arg` the traced checker (`checker.CheckerArg`; None without a checker:
+  then nothing of it is traced); `on_trace()` is called at every trace; `on_step` (with `static.has_callback`)
+  after every step. Checker restarts are the per-row loop's (`denoise_rows`); here a checker re-noises only.
   """
 
   def denoise(state, cache, key, seed_canvas, use_seed, pinned, allowed, structure, frozen,
-              scalars: DenoiseScalars, rule: AcceptanceRule | None, call_id):
+              scalars: DenoiseScalars, rule: AcceptanceRule | None, checker_arg: checker_lib.CheckerArg | None,
+              call_id):
     on_trace()
     accept_rule = static.static_rule if static.static_rule is not None else rule
     model = nnx.merge(graphdef, state)
@@ -188,8 +225,11 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
       # sample_tokens / argmax_canvas / entropy / softmax of transformers' "processed logits" `logits / temp`
       stats = eb.step_statistics(sample_key, logits, temp, weights_dtype=model.embed_tokens[...].dtype)
       denoised, argmax, token_entropy = stats.samples, stats.argmax, stats.entropy
+      flagged, token_entropy = checked_entropy(static, checker_arg, argmax, token_entropy, pinned)
       # the rule's view of the processed logits: nothing is computed unless the rule reads them
       accept = accept_rule(token_entropy, logits / temp, s.step, scalars.num_steps)
+      if flagged is not None:  # flagged positions are re-noised
+        accept = accept & ~flagged
       if static.has_pins:
         accept = accept | pinned
       canvas = eb.renoise(noise_key, denoised, accept, vocab)
@@ -199,8 +239,10 @@ def make_denoise(graphdef: nnx.GraphDef, static: DenoiseStatic, *, on_trace: Cal
       argmax = jnp.where(s.done[:, None], s.argmax, argmax)
       canvas = jnp.where(s.done[:, None], s.canvas, canvas)
       soft = self_conditioning_embeddings(model.embed_tokens[...], model.dtype, stats.weights, stats.total)
+      soft = checked_soft(static, soft, flagged)
       soft = jnp.where(s.done[:, None, None], s.sc_embeddings, soft)
       stop, history = eb.stable_and_confident(s.history, argmax, token_entropy, scalars.confidence_threshold)
+      stop = checked_stop(static, stop, flagged)
       done = s.done | (stop & scalars.early_stopping)
       trajectory = s.trajectory
       if trajectory is not None:
@@ -228,4 +270,5 @@ def step_info(canvas_index: Any, step: Any, argmax: Any, done: Any) -> StepInfo:
 
 
 __all__ = ["DenoiseScalars", "DenoiseState", "DenoiseStatic", "StepHook", "StepInfo", "canvas_logits",
-           "make_denoise", "self_conditioning_embeddings", "step_info"]
+           "checked_entropy", "checked_soft", "checked_stop", "make_denoise", "self_conditioning_embeddings",
+           "step_info"]

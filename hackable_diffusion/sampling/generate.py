@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.model.attention import KVCache
 from hackable_diffusion.sampling import programs
+from hackable_diffusion.sampling.checker import Checker
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseScalars, DenoiseState, StepInfo
 from hackable_diffusion.sampling.prepare import GenerateRequest, Prepared, prepare
@@ -85,6 +86,7 @@ def generate(
     allowed_token_ids: Sequence[int] | Any = None,
     canvas_attention_mask: Any = None,
     acceptance: AcceptanceRule | None = None,
+    checker: Checker | None = None,
     callback: Callable[[StepInfo], Any] | None = None,
     return_trajectory: bool = False,
     mesh: Mesh | None = None,
@@ -112,6 +114,11 @@ def generate(
     acceptance: an acceptance rule (`sampling.rules`, e.g. `rules.TopK(8)`) used instead of the config's
       (`config.acceptance_rule()`, by default `EntropyBound(config.entropy_bound)`). Its numeric fields are
       traced: an equal rule, or the same class with other values, reuses the compiled program.
+    checker: a task's rules (`sampling.checker.Checker`, e.g. `SudokuTask().checker(tokenizer)`): every step, the
+      positions it flags on the argmax canvas are re-noised (never accepted); `config.checker_confidence` and
+      `config.checker_restarts` / `checker_step_budget` add a stopping guard and restarts (see `SamplingConfig`;
+      restarts run the per-row loop, with keys `split(rng, B)` from a single key). Its numeric fields are traced.
+      None: nothing of it is traced (the program of a call without it).
     callback: called as `callback(StepInfo)` after every denoising step (through `jax.debug.callback`; when
       None nothing is added to the compiled loop; any callback reuses the same compiled program).
     return_trajectory: also return every step's argmax canvas in `GenerateOutput.trajectory`.
@@ -134,7 +141,7 @@ def generate(
   p = prepare(model, GenerateRequest(
       input_ids=input_ids, config=config, rng=rng, attention_mask=attention_mask, seed_canvas=seed_canvas,
       pinned=pinned, allowed_token_ids=allowed_token_ids, canvas_attention_mask=canvas_attention_mask,
-      acceptance=acceptance, callback=callback, return_trajectory=return_trajectory, mesh=mesh,
+      acceptance=acceptance, checker=checker, callback=callback, return_trajectory=return_trajectory, mesh=mesh,
       pixel_values=pixel_values, image_position_ids=image_position_ids))
   graphdef, state = nnx.split(model)
   encode = programs.encode_program(graphdef, p.mesh)
@@ -175,7 +182,7 @@ def generate(
     with _activations(p.mesh):
       argmax, fwd, traj = denoise(state, cache, canvas_key, place(seed_k), jnp.asarray(has_seed), place(pins_k),
                                   allowed, structure, place(frozen), DenoiseScalars.of(p.config, k), p.rule_arg,
-                                  callback=p.callback)
+                                  p.checker_arg, callback=p.callback)
     # commit: the argmax canvas, with EOS / pad handling
     block = np.array(to_host(argmax), dtype=np.int32)
     step_counts.append(np.asarray(to_host(fwd)) * ~finished)  # forwards of rows finished earlier are not counted
@@ -208,14 +215,17 @@ def _per_row_denoise(program: programs.Program, p: Prepared, place: Callable[[An
   """The per-row loop (`sampling.denoise_rows`) behind the batch loop's call signature: canvas `k` of row `b`
   starts from key `fold_in(row key b, k)` (the batch key is not used). Returns (argmax, forwards, no trajectory)."""
   keys = jax.random.wrap_key_data(jnp.asarray(p.row_keys), impl=p.key_impl)  # [B]
+  # checker restarts take a row past `max_denoising_steps`, up to its budget
+  max_steps = p.config.checker_budget() if p.static.checker_restarts else p.config.max_denoising_steps
 
-  def denoise(state, cache, key, seed, has_seed, pins, allowed, structure, frozen, scalars, rule_arg, callback=None):
+  def denoise(state, cache, key, seed, has_seed, pins, allowed, structure, frozen, scalars, rule_arg, checker_arg,
+              callback=None):
     del key  # per-row keys
     canvas_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, scalars.canvas_index)  # [B]
     key_data = place(np.asarray(jax.random.key_data(canvas_keys)))
     every = place(np.ones((p.batch,), bool))
     rows = program(state, cache, None, every, key_data, seed, every & has_seed, pins, ~frozen, allowed, structure,
-                   scalars, rule_arg, jnp.asarray(p.config.max_denoising_steps, jnp.int32), jnp.asarray(False),
+                   scalars, rule_arg, checker_arg, jnp.asarray(max_steps, jnp.int32), jnp.asarray(False),
                    callback=callback)
     return rows.argmax, rows.steps, None
 

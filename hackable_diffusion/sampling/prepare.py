@@ -23,6 +23,7 @@ from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model import structure as structure_lib
 from hackable_diffusion.model import vision
+from hackable_diffusion.sampling import checker as checker_lib
 from hackable_diffusion.sampling import rules
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseStatic, StepInfo
@@ -46,6 +47,7 @@ class GenerateRequest:
   allowed_token_ids: Sequence[int] | Any = None
   canvas_attention_mask: Any = None
   acceptance: rules.AcceptanceRule | None = None
+  checker: Any = None
   callback: Callable[[StepInfo], Any] | None = None
   return_trajectory: bool = False
   mesh: Mesh | None = None
@@ -64,6 +66,7 @@ class Prepared:
   seed_canvas: `[B, k * C]` int32 or None. pinned: `[B, k * C]` bool or None (only with a seed canvas).
   allowed: `[B, V]` bool or None. structure: `[B|1, N|1, C, P + C]` bool jax array or None.
   rule: the acceptance rule; rule_arg: the rule with its leaves as traced-ready arrays (None for a static rule).
+  checker_arg: the checker and its restart settings as the loop's traced argument (`checker.CheckerArg`), or None.
   static: the options that select the compiled denoising program.
   pixel_values: `[N, P, 3 p^2]` float32 and image_position_ids: `[N, P, 2]` int32, the prompts' images (None:
   none), checked against the prompts' image tokens.
@@ -82,6 +85,7 @@ class Prepared:
   structure: Array | None
   rule: rules.AcceptanceRule
   rule_arg: Any
+  checker_arg: Any
   callback: Callable[[StepInfo], Any] | None
   return_trajectory: bool
   mesh: Mesh | None
@@ -240,6 +244,27 @@ def _rule(config: SamplingConfig, acceptance: Any) -> tuple[rules.AcceptanceRule
   return rule, jax.tree.map(_traced_leaf, rule)
 
 
+def _checker(config: SamplingConfig, checker: Any, trajectory: bool) -> tuple[Any, dict[str, Any]]:
+  """(the loop's traced checker argument or None, the `DenoiseStatic` checker fields). Checker options without a
+  checker, and restarts with a trajectory, are one-line errors."""
+  if checker is None:
+    if config.uses_checker:
+      raise ValueError("generate: SamplingConfig sets checker_* options but no checker was given "
+                       "(generate(..., checker=...), or a task's checker hook)")
+    return None, {}
+  try:
+    arg = checker_lib.checker_arg(checker, config.checker_restarts, config.checker_budget())
+  except ConfigError as e:
+    raise ConfigError(f"generate: {e}") from None
+  restarts = config.checker_restarts > 0
+  if restarts and trajectory:
+    raise ValueError("generate: return_trajectory cannot be combined with SamplingConfig.checker_restarts > 0 "
+                     "(restarted rows have no single trajectory)")
+  return arg, dict(has_checker=True, static_checker=checker if arg.checker is None else None,
+                   checker_confidence=config.checker_confidence, checker_forget=config.checker_forget,
+                   checker_restarts=restarts)
+
+
 # ---- prepare ------------------------------------------------------------------------------------------------------
 def _check_structured_prompt(model: Any, structure: Array | None, mask: np.ndarray, canvas_len: int) -> None:
   """A one-line error when an attention structure constrains the first `P` prompt slots and a row has padding
@@ -309,6 +334,10 @@ def prepare(model: Any, request: GenerateRequest) -> Prepared:
     pixels, positions = vision.check_image_tokens(model.config, ids, r.pixel_values, r.image_position_ids)
   elif r.image_position_ids is not None:
     raise ValueError("image_position_ids was given without pixel_values")
+  checker_arg, checker_static = _checker(config, r.checker, r.return_trajectory)
+  if checker_static.get("checker_restarts") and row_keys is None:  # restarts are the per-row loop's: one key per row
+    keys = jax.random.split(r.rng, batch)
+    row_keys = np.asarray(jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys)
   static = DenoiseStatic(
       vocab_size=vocab,
       stability_threshold=config.stability_threshold,
@@ -319,12 +348,13 @@ def prepare(model: Any, request: GenerateRequest) -> Prepared:
       has_callback=r.callback is not None,
       trajectory_steps=config.max_denoising_steps if r.return_trajectory else None,
       self_conditioning=config.self_conditioning,
+      **checker_static,
   )
   return Prepared(
       config=config, vocab_size=vocab, rng=r.rng, row_keys=row_keys, key_impl=key_impl,
       input_ids=ids.astype(np.int32), attention_mask=mask,
       seed_canvas=None if seeds is None else seeds.astype(np.int32), pinned=pins, allowed=allowed,
-      structure=structure, rule=rule, rule_arg=rule_arg, callback=r.callback,
+      structure=structure, rule=rule, rule_arg=rule_arg, checker_arg=checker_arg, callback=r.callback,
       return_trajectory=bool(r.return_trajectory), mesh=r.mesh, static=static, pixel_values=pixels,
       image_position_ids=positions)
 

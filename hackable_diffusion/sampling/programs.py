@@ -4,7 +4,8 @@
 `encode_images`, which also runs the vision tower) and `denoise` (the whole denoising loop, `sampling.denoise`).
 Each is a `jax.jit` function built once per (kind, model graph, static options, mesh) and kept in `PROGRAMS`, a
 least-recently-used cache of at most `MAX_PROGRAMS` entries (inside, jit keeps one executable per argument shape /
-tree structure, e.g. per acceptance-rule class). This cache is the module's only mutable state.
+tree structure, e.g. per acceptance-rule or checker class; the static options, `denoise.DenoiseStatic`, include
+whether a checker is used and how). This cache is the module's only mutable state.
 
 A `Program` owns what belongs to it: how often it was traced (also added to its cache's per-kind totals, which
 `trace_counts()` reads, so evicted programs still count) and the step callbacks of the calls in flight. A call

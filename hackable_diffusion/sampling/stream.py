@@ -33,6 +33,7 @@ from flax import nnx
 
 from hackable_diffusion.sampling import denoise_rows as rows_lib
 from hackable_diffusion.sampling import programs
+from hackable_diffusion.sampling.checker import Checker
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.denoise import DenoiseScalars
 from hackable_diffusion.sampling.generate import commit_canvas
@@ -99,6 +100,7 @@ def generate_stream(
     allowed_token_ids: Sequence[int] | Any = None,
     canvas_attention_mask: Any = None,
     acceptance: AcceptanceRule | None = None,
+    checker: Checker | None = None,
 ) -> Iterator[StreamOutput]:
   """Samples every request, `batch_size` rows at a time, refilling a row's slot as soon as it finishes.
 
@@ -115,8 +117,9 @@ def generate_stream(
       let `generate` calls of many widths share programs) would only add padding, and are not applied.
     chunk_steps: at most this many denoising steps per compiled call (None: no limit). A call also ends after
       the step that finishes a row while a prompt (or the row's next canvas) is waiting, which is then started.
-    allowed_token_ids / canvas_attention_mask / acceptance: as `generate` (the same for every row;
-      `canvas_attention_mask` with a leading dimension of 1).
+    allowed_token_ids / canvas_attention_mask / acceptance / checker: as `generate` (the same for every row;
+      `canvas_attention_mask` with a leading dimension of 1). With `config.checker_restarts`, a row's restarts run
+      inside the compiled chunks (it leaves its slot when valid or out of budget).
 
   Yields:
     `StreamOutput`s in the order rows finish (see `index`).
@@ -138,7 +141,7 @@ def generate_stream(
   width = prompt_length or len(np.asarray(first[1].input_ids).reshape(-1))
   shared = prepare(model, GenerateRequest(
       input_ids=np.zeros((batch_size, width), np.int32), config=config, rng=rng, allowed_token_ids=allowed_token_ids,
-      canvas_attention_mask=canvas_attention_mask, acceptance=acceptance))
+      canvas_attention_mask=canvas_attention_mask, acceptance=acceptance, checker=checker))
   static = dataclasses.replace(shared.static, has_pins=True)  # all-False pins change nothing
   run = _Runner(model, shared, static, batch_size, width)
   pending = itertools.chain([first], items)
@@ -156,7 +159,8 @@ def generate_stream(
       if not staged and not exhausted:
         run.take_staged(slots, to_copy, source)  # rows taken from the block about to be replaced: copy them first
         to_copy[:] = False
-        block = [_Slot(index=j, key=_row_key(r, rng, j), request=_validate(model, r, shared.config, width, rng, j))
+        block = [_Slot(index=j, key=_row_key(r, rng, j),
+                       request=_validate(model, r, shared.config, width, rng, j, checker))
                  for j, r in itertools.islice(pending, batch_size)]
         exhausted = len(block) < batch_size
         staged.extend(enumerate(block))
@@ -211,7 +215,7 @@ def _row_key(request: StreamRequest, rng: Array, index: int) -> Array:
 
 
 def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width: int, rng: Array,
-              index: int) -> Prepared:
+              index: int, checker: Checker | None = None) -> Prepared:
   """The request as a one-row `generate` call (every check of `prepare`, its errors naming request `index`), its
   prompt left-padded to `width`."""
   ids = np.asarray(request.input_ids)
@@ -229,7 +233,7 @@ def _validate(model: Any, request: StreamRequest, config: SamplingConfig, width:
     return prepare(model, GenerateRequest(input_ids=padded, config=config, rng=rng, attention_mask=mask,
                                           seed_canvas=as_row(request.seed_canvas), pinned=as_row(request.pinned),
                                           pixel_values=request.pixel_values,
-                                          image_position_ids=request.image_position_ids))
+                                          image_position_ids=request.image_position_ids, checker=checker))
   except ValueError as e:
     raise type(e)(f"generate_stream: request {index}: {e}") from None
 
@@ -293,7 +297,8 @@ class _Runner:
     self.copy = programs.copy_rows_program()
     self.denoise = programs.denoise_rows_program(graphdef, static, shared.key_impl)
     self.rows = _placed_like(self.state, rows_lib.empty_rows(batch, canvas, model.config.hidden_size, model.dtype,
-                                                              static.stability_threshold))
+                                                              static.stability_threshold,
+                                                              restarts=static.checker_restarts))
     self.seed = np.zeros((batch, canvas), np.int32)
     self.pins = np.zeros((batch, canvas), bool)
     self.continuing = np.zeros(batch, bool)
@@ -355,7 +360,7 @@ class _Runner:
     self.rows = self.denoise(self.state, self.cache, self.rows, jnp.asarray(starting), jnp.asarray(key_data),
                              jnp.asarray(self.seed), jnp.asarray(use_seed), jnp.asarray(self.pins),
                              jnp.asarray(active), self.allowed, self.structure, self.scalars, self.shared.rule_arg,
-                             jnp.asarray(max_steps, jnp.int32), jnp.asarray(stop_on_finish))
+                             self.shared.checker_arg, jnp.asarray(max_steps, jnp.int32), jnp.asarray(stop_on_finish))
     done = np.asarray(self.rows.done)
     if not (done & active).any():
       return done, np.zeros((self.batch, self.shared.canvas_length), np.int32), np.zeros(self.batch, np.int32)

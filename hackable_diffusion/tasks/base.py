@@ -17,6 +17,11 @@ A `Task` turns the decoded completions of a model into metrics. The evaluation l
 - `attention_structure()` -> the task's own canvas attention structure as a 'package.module:function' spec for
   `ModelConfig.attention_structure` (None: plain attention), e.g. Sudoku's row/column/box peers.
 
+A task whose answers can be checked cheaply may also give the sampler its rules: `checker(tokenizer)` -> a
+`sampling.checker.Checker` (`canvas [B, C] -> violations [B, C] bool`, traced inside the denoising loop) or None
+(the default); the evaluation re-noises what it flags when `eval.checker` is on (the module function `checker`
+gives None for a task without the hook).
+
 Sampling a prompt someone typed (`runs.sampling`, `python -m hackable_diffusion.sample`) uses three more optional
 hooks (`parse_prompt`, `prompt_complete`, `render`; module functions of the same names apply their defaults to a
 task without them): the typed text as the task writes prompts in its data (a one-line `ConfigError` for one it
@@ -38,13 +43,16 @@ import json
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from hackable_diffusion import specs
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.files import write_atomic, write_json
+
+if TYPE_CHECKING:
+  from hackable_diffusion.sampling.checker import Checker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +126,10 @@ class BaseTask:
     """Plain attention: the task brings no canvas attention structure."""
     return None
 
+  def checker(self, tokenizer: Any) -> Checker | None:
+    """No rules for the sampler to check."""
+    return None
+
   def parse_prompt(self, text: str) -> str:
     """The typed prompt as the task's data writes it: as is."""
     return text
@@ -148,6 +160,12 @@ def render(task: Task | None, completion: str, record: EvalRecord) -> str:
   """`task.render(completion, record)` (the completion without a task or the hook)."""
   hook = getattr(task, "render", None)
   return hook(completion, record) if callable(hook) else completion
+
+
+def checker(task: Task | None, tokenizer: Any) -> Checker | None:
+  """`task.checker(tokenizer)` (None without a task or the hook)."""
+  hook = getattr(task, "checker", None)
+  return hook(tokenizer) if callable(hook) else None
 
 
 # ---- metric helpers --------------------------------------------------------------------------------------------
@@ -247,5 +265,5 @@ def get_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
 
 
 __all__ = ["BUILTIN_TASKS", "BaseTask", "DATA_SPEC_FILE", "EvalRecord", "TASK_METHODS", "Task", "char_accuracy",
-           "check_lengths", "data_spec_matches", "exact_match", "get_task", "parse_prompt", "prompt_complete",
-           "render", "write_data_spec", "write_jsonl_splits"]
+           "check_lengths", "checker", "data_spec_matches", "exact_match", "get_task", "parse_prompt",
+           "prompt_complete", "render", "write_data_spec", "write_jsonl_splits"]

@@ -20,6 +20,7 @@ import numpy as np
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.tasks.base import BaseTask, EvalRecord, check_lengths, data_spec_matches, write_data_spec
 from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics, plots, solver, structure
+from hackable_diffusion.tasks.sudoku.checker import SudokuChecker
 
 DIGITS = "123456789"
 
@@ -116,6 +117,10 @@ class SudokuTask(BaseTask):
       noise[i, :81] = np.where(given, digit_ids[grid], noise[i, :81])
       pinned[i, :81] = given
     return noise, pinned
+
+  def checker(self, tokenizer: Any) -> SudokuChecker:
+    """The rules for the sampler (`checker.SudokuChecker`): non-digits and repeated digits in a row, column or box."""
+    return SudokuChecker.for_tokenizer(tokenizer)
 
   def plot_trajectory(self, trajectory: Mapping[str, Any], path: str) -> str | None:
     return plots.plot_canvas_trajectory(trajectory, path)  # imports matplotlib on first use
