@@ -68,20 +68,19 @@ def shared_xla_cache(tmp_path_factory):
 # listed follow in their usual order.
 SLOWEST_FIRST = (
     "tests/model/test_scan.py",
-    "tests/tasks/sudoku/test_sudoku_learns.py",  # one test: a Sudoku training run
-    "tests/test_notebook.py",  # three notebooks
-    "tests/sharding/test_moe_mesh.py",  # one 8-device worker
-    "tests/sharding/test_multi_device.py",  # three 8-device workers
-    "tests/lora/test_qlora.py",
     "tests/test_cli.py",
-    "tests/interop/test_qlora_interop.py",
     "tests/training/test_sft_api.py",
-    "tests/training/test_trl_api.py",
-    "tests/training/test_fault_injection.py",
-    "tests/training/test_multihost.py",
-    "tests/training/test_step.py",
-    "tests/training/test_scan_run.py",
+    "tests/sharding/test_multi_device.py",  # two 8-device workers
+    "tests/interop/test_qlora_interop.py",
     "tests/diffusion/test_loss.py",
+    "tests/test_benchmark_scripts.py",
+    "tests/interop/test_export.py",
+    "tests/training/test_signals.py",
+    "tests/test_packaging.py",
+    "tests/training/test_step.py",
+    "tests/interop/test_hf_parity.py",
+    "tests/test_notebook.py",
+    "tests/runs/test_cli_outputs.py",
 )
 
 

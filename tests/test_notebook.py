@@ -47,6 +47,7 @@ def check_common_cells(nb: nbformat.NotebookNode) -> None:
   assert re.search(r"^assert ", code[-1], re.M), "the last cell asserts the notebook's key result"
 
 
+@pytest.mark.slow  # a 150-step training run in a kernel (the README's main job covers the path)
 def test_quickstart_notebook(tmp_path, monkeypatch):
   nb, text = execute("quickstart.ipynb", tmp_path, monkeypatch)
   check_common_cells(nb)
@@ -67,6 +68,7 @@ def test_finetune_and_export_notebook(tmp_path, monkeypatch):
   assert (work / "export_peft" / "adapter_config.json").exists() and (work / "export_merged" / "config.json").exists()
 
 
+@pytest.mark.slow  # repeats tests/sampling in a kernel
 def test_sampling_playground_notebook(tmp_path, monkeypatch):
   nb, text = execute("sampling_playground.ipynb", tmp_path, monkeypatch)
   check_common_cells(nb)

@@ -41,6 +41,10 @@ FP64_REL_TOL = 1e-10  # measured ~1e-14 (script, 2 and 8 layers)
 FP32_BAND = 4.0  # our fp32 error may be this many times transformers' own fp32 error (measured ratio ~1-2)
 
 
+# a larger model than tests/interop/test_hf_parity.py's (which keeps parity in the default tier)
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def logits():
   """{('torch'|'ours', 32|64): logits [B, C, V] float64 numpy} on the same weights and inputs."""

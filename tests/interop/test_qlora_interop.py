@@ -253,7 +253,7 @@ def test_merged_export_is_the_merge_of_the_dequantized_base(trained, tmp_path):
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["int4", "nvfp4"])
+@pytest.mark.parametrize("mode", [pytest.param("int4", marks=pytest.mark.slow), "nvfp4"])  # the same trainer path
 def test_sft_trainer_trains_and_resumes_a_quantized_base(tmp_path, mode):
   """`hd.SFTConfig(lora=hd.LoraConfig(base_quantization=mode))`: the trainer builds the quantized base, trains the
   adapters, checkpoints the 4-bit base (a fresh init's frozen weights are saved; NVFP4's scale tables too) and

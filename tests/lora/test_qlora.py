@@ -276,7 +276,8 @@ def _raw(state) -> dict[str, bytes]:
   return {".".join(map(str, p)): np.asarray(v[...]).tobytes() for p, v in nnx.to_flat_state(state)}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["fp8", pytest.param("int4", marks=pytest.mark.slow),  # one format in the default
+                                  pytest.param("nvfp4", marks=pytest.mark.slow)])  # tier: the step is shared
 def test_step_trains_only_adapters_and_lowers_the_loss(base, mode):
   model, _, initial, state, losses = train_adapters(base, _config(mode, dropout=0.1), 15)
   rest_before, params_before = _raw(initial.rest), _raw(initial.params)

@@ -128,7 +128,7 @@ def small_model():
   return init_model(get_preset("tiny", vocab_size=64, canvas_length=C), seed=0)
 
 
-@pytest.mark.parametrize("variant", ["flat", "elbo"])  # 'corrupted' = flat's tiled CE, other mask (test_loss.py)
+@pytest.mark.parametrize("variant", ["flat", pytest.param("elbo", marks=pytest.mark.slow)])  # 'corrupted' = flat's tiled CE, other mask (test_loss.py)
 def test_tiled_loss_value_and_gradients_equal_the_untiled_loss(small_model, variant):
   from flax import nnx
   batch = _batch(64)

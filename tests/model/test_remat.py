@@ -36,6 +36,7 @@ def _grad_fn(graphdef, config, batch, key, noise=None):
   return jax.value_and_grad(loss)
 
 
+@pytest.mark.slow  # remat gradients stay in the default tier through tests/model/test_scan.py's linked passes
 def test_remat_gradients_equal_no_remat_with_lora_dropout():
   """'nothing_saveable' (recomputed in the backward pass) gives the loss and gradients of the plain model, also
   through LoRA adapters with dropout (an integer key in the layer state)."""

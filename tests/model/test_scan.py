@@ -82,8 +82,10 @@ def _unrolled_grads(with_lora: bool) -> tuple[float, dict]:
   return _grads(_model(lora=_LORA if with_lora else None), nnx.LoRAParam if with_lora else nnx.Param)
 
 
-@pytest.mark.parametrize("lora,remat,linked", [(None, "none", False), (_LORA, "nothing_saveable", False),
-                                               (None, "nothing_saveable", True), (_LORA, "nothing_saveable", True)],
+@pytest.mark.parametrize("lora,remat,linked", [
+    pytest.param(None, "none", False, marks=pytest.mark.slow),  # unlinked forms: minutes of compiling
+    pytest.param(_LORA, "nothing_saveable", False, marks=pytest.mark.slow),
+    (None, "nothing_saveable", True), (_LORA, "nothing_saveable", True)],
                          ids=["full", "lora-remat", "full-linked", "lora-linked"])
 def test_scanned_gradients_equal_the_unrolled_model(lora, remat, linked):
   """Loss and every gradient (full fine-tuning: all parameters; LoRA: the adapters, experts included) of the
@@ -185,6 +187,7 @@ def _temp_bytes(remat: str, scanned: bool) -> int:
   return jax.jit(step).lower(params, rest, batch, key).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # three compiles of a LoRA step; tests/model/test_remat.py keeps the unscanned check
 def test_scan_with_remat_shrinks_the_compiled_temporaries():
   """A LoRA gradient step compiled on this CPU keeps far less with the layers scanned and rematerialised than
   unrolled without remat (measured: 4.3 vs 17.7 MiB; unrolled with remat 7.9 MiB, not compiled here: slow)."""

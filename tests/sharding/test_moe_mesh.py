@@ -27,6 +27,10 @@ import pytest
 
 from device_workers import close, run_worker
 
+# one 8-device worker compiling every mesh case (minutes); tests/sharding/test_multi_device.py keeps a mesh
+# training step, generation and checkpoint restore in the default tier
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

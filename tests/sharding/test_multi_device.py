@@ -5,8 +5,9 @@ a train state initialised in its shards, HF checkpoints loaded straight into sha
 mesh with the parameters in their training shardings (== one device's report; `load_run(mesh=)` too).
 
 The checks run in `tests/sharding/multi_device_worker.py` because JAX fixes its device count when it first
-initialises, which other test modules in this process have already done with one device. The three workers run
-in parallel (started by one module fixture) and report numbers as JSON; the assertions live here.
+initialises, which other test modules in this process have already done with one device. The 'train' and 'misc'
+workers run in parallel (one module fixture); the 'trainer' worker's tests are in the slow tier. Workers report
+numbers as JSON; the assertions live here.
 
 Tolerances (float32): a sharded step computes the same sums in a different order (per-shard partial sums of the
 batch mean and of every matmul contracting a sharded axis, then an all-reduce), so results differ by rounding
@@ -37,14 +38,12 @@ TINY = get_preset("tiny")
 
 
 # ---- multi-device: subprocess workers -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def worker_results(tmp_path_factory):
-  """Runs the workers in parallel; returns {'train': ..., 'misc': ..., 'trainer': ...} (JSON measurements)."""
-  tmp = tmp_path_factory.mktemp("sharding")
+def _run_workers(tmp, names: tuple[str, ...]) -> dict:
+  """Runs the named workers in parallel; returns {name: JSON measurements (+ 'log')} or {name: {'error': ...}}."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
   procs = {}
-  for what in ("train", "misc", "trainer"):
+  for what in names:
     out = str(tmp / f"{what}.json")
     procs[what] = (subprocess.Popen([sys.executable, WORKER, what, out], env=env, cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
@@ -62,6 +61,18 @@ def worker_results(tmp_path_factory):
         results[what] = json.load(f)
       results[what]["log"] = log
   return results
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+  """The 'train' and 'misc' workers (sharded step, generate, checkpoints, loading), run in parallel."""
+  return _run_workers(tmp_path_factory.mktemp("sharding"), ("train", "misc"))
+
+
+@pytest.fixture(scope="module")
+def trainer_results(tmp_path_factory):
+  """The 'trainer' worker (the `Trainer` and evaluation on meshes; slow tier)."""
+  return _run_workers(tmp_path_factory.mktemp("sharding_trainer"), ("trainer",))
 
 
 def _get(results, what):
@@ -171,10 +182,11 @@ def test_generate_mesh_rejects_a_batch_it_cannot_split(worker_results):
   assert "batch of 3 rows is not divisible by the 4 batch shards" in msg and "\n" not in msg
 
 
-def test_trainer_on_a_mesh_equals_one_device(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_trainer_on_a_mesh_equals_one_device(trainer_results):
   """Trainer with `mesh.data=2, mesh.fsdp=2, mesh.tensor=2`: the state is sharded and the per-step losses are
   those of the same config on one device (1e-5 relative; see the module docstring)."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   assert t["single_mesh"] is False  # the default config: no mesh
   assert t["a_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
   assert t["a_embed_spec"] == ["tensor", "fsdp"] and t["a_batch_spec"] == [["data", "fsdp"]]
@@ -185,19 +197,21 @@ def test_trainer_on_a_mesh_equals_one_device(worker_results):
   assert len(set(single.values())) == 5  # the steps really trained (different batches, moving weights)
 
 
-def test_scanned_trainer_on_a_mesh_equals_one_device(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_scanned_trainer_on_a_mesh_equals_one_device(trainer_results):
   """`scan_layers=True` on data 2 x fsdp 2 x tensor 2: stacked kernels are sharded like a layer's, behind a
   replicated layer axis, and the per-step losses are the unrolled single-device run's."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   assert t["scan_q_spec"] == [None, "fsdp", "tensor"] and len(t["scan_q_shape"]) == 3
   for step in ("1", "2", "3"):
     np.testing.assert_allclose(t["scanned_losses"][step], t["single_losses"][step], rtol=1e-5)
 
 
-def test_trainer_checkpoint_resumes_on_another_mesh(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_trainer_checkpoint_resumes_on_another_mesh(trainer_results):
   """The step-3 checkpoint of the 2x2x2 run restores onto fsdp 4 x tensor 2 and continues: steps 4-5 and the final
   parameters match 5 straight steps on one device."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   assert t["a_checkpoints"] == [3] and t["b_start_step"] == 3
   assert t["b_mesh"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
   assert t["b_embed_spec"] == ["tensor", "fsdp"] and t["b_mu_spec"] == ["fsdp", "tensor"]
@@ -210,11 +224,12 @@ def _without_timing(report: dict) -> dict:
   return {**report, "runs": [{k: v for k, v in run.items() if k != "seconds"} for run in report["runs"]]}
 
 
-def test_trainer_evaluates_on_its_mesh_without_gathering(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_trainer_evaluates_on_its_mesh_without_gathering(trainer_results):
   """Evaluation during training (fsdp 4 x tensor 2) hands the sampler the train state's own arrays, in their training
   shardings over all 8 devices (a model gathered onto one device would fail every check), and splits each batch of
   `eval.batch_size=3` examples, padded to 4 rows, over the batch axis."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   assert t["eval_calls"] >= 4  # 3 batches x 2 runs + the trajectory, one encode call each (one canvas)
   assert t["eval_state_is_train_state"] and t["eval_state_in_train_shardings"]
   assert t["eval_state_min_devices"] == 8
@@ -222,26 +237,29 @@ def test_trainer_evaluates_on_its_mesh_without_gathering(worker_results):
   assert t["eval_ids"] == ['[4, ["fsdp"]]']
 
 
-def test_trainer_evaluation_on_a_mesh_equals_one_device(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_trainer_evaluation_on_a_mesh_equals_one_device(trainer_results):
   """Same checkpoint, same eval seed: the mesh evaluation's report (metrics, step counts, every sample's tokens, the
   trajectory) is the one-device evaluation's."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   mesh, single = _without_timing(t["mesh_report"]), _without_timing(t["single_report"])
   assert [r["name"] for r in mesh["runs"]] == ["steps_3", "early_stopping"] and mesh["num_examples"] == 7
   assert mesh["trajectory"]["steps"]  # the trajectory was sampled on the mesh too
   assert mesh == single
 
 
-def test_evaluate_cli_path_restores_onto_the_run_mesh(worker_results):
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_evaluate_cli_path_restores_onto_the_run_mesh(trainer_results):
   """`load_run(..., mesh=make_run_mesh(cfg))` (what `python -m hackable_diffusion.evaluate` does for a run with a
   `mesh` section) restores the variables straight into their shards, samples with them unmoved, and reports what one
   device reports."""
-  t = _get(worker_results, "trainer")
+  t = _get(trainer_results, "trainer")
   assert t["load_run_mesh"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
   assert t["load_run_embed_spec"] == ["tensor", "fsdp"] and t["load_run_eval_state_is_model"]
   assert _without_timing(t["load_run_report"]) == _without_timing(t["single_report"])
 
 
-def test_trainer_rejects_a_batch_the_mesh_cannot_split(worker_results):
-  msg = _get(worker_results, "trainer")["bad_batch_error"]
+@pytest.mark.slow  # the trainer worker: training and evaluation runs on meshes
+def test_trainer_rejects_a_batch_the_mesh_cannot_split(trainer_results):
+  msg = _get(trainer_results, "trainer")["bad_batch_error"]
   assert msg.startswith("train.batch_size=6 is not divisible by the 4 batch shards of the mesh") and "\n" not in msg

@@ -223,6 +223,7 @@ def run_fault_injection(plan: Plan, tmp_path, env: dict[str, str]) -> None:
     np.testing.assert_array_equal(a, b, err_msg=str(plan.seen))
 
 
+@pytest.mark.slow  # repeated CLI runs; tests/test_cli.py keeps a SIGKILL-then-resume run in the default tier
 def test_sigkill_at_random_moments_resumes_exactly(tmp_path, env):
   """KILLS_CI kills (one of each kind) of a 120-step run; the full version is test_fault_injection_full."""
   run_fault_injection(Plan(steps=120, kills=KILLS_CI), tmp_path, env)

@@ -265,6 +265,7 @@ def test_lora_steps_use_the_images_and_keep_the_tower(setup, lora_run):
     trainer.evaluate()
 
 
+@pytest.mark.slow  # the train_vision='all' variant of the LoRA image steps above
 def test_full_fine_tuning_trains_the_tower_when_asked(setup, tmp_path):
   ckpt, _, train = setup
   with hd.SFTTrainer(model=ckpt, train_dataset=train, progress=False,

@@ -415,6 +415,7 @@ def _fill(path: str) -> None:
     pass
 
 
+@pytest.mark.slow  # the CLI form of test_disk_full_training_run_stops_and_resumes (default tier)
 def test_disk_full_cli_on_tmpfs(tmp_path):
   """The CLI on a real full disk: after checkpoint 10 the tmpfs is filled; `train` exits with code 1 and one
   `error:` line within seconds, and checkpoint 10 still restores. Needs `mount` (root): skipped elsewhere."""

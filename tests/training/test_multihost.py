@@ -132,6 +132,7 @@ def test_first_failure_tells_every_process_the_lowest_failing_one(tmp_path):
       [10, ["TrainingError", "process 0 of 2 stopped before evaluating: FileNotFoundError: eval.jsonl: no such file"]]]
 
 
+@pytest.mark.slow  # three two-process jobs, one of them training
 def test_a_refused_lock_stops_every_process_then_the_job_trains_and_an_unshared_workdir_is_refused(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()

@@ -37,6 +37,7 @@ def _config(scanned: bool, steps: int):
   return cfg
 
 
+@pytest.mark.slow  # two CLI training runs; tests/model/test_scan.py covers the scanned step, save and export
 def test_a_scanned_run_trains_resumes_and_exports_like_the_unrolled_run(tmp_path):
   unrolled, scanned = str(tmp_path / "unrolled"), str(tmp_path / "scanned")
   trainer_lib.train(_config(False, 10), unrolled, progress=False)

@@ -277,6 +277,7 @@ def sudoku_like_records(n: int, seed: int = 0) -> list[dict[str, str]]:
   return out
 
 
+@pytest.mark.slow  # a whole training run; test_readme_snippet_runs_on_a_local_folder trains through the same API
 def test_keyword_form_runs(hf_factory, tmp_path, monkeypatch):
   """`SFTTrainer(model=DiffusionGemmaConfig.from_pretrained(DIR), dataset_path=..., batch_size=8,
   learning_rate=1e-4, num_steps=N).train()`: keywords mapped onto SFTConfig (dataset_path = train_dataset,

@@ -110,8 +110,9 @@ def _compiling(workdir: str) -> bool:
 
 
 @pytest.mark.parametrize("sig,moment", [(signal.SIGTERM, "after_first_metrics_line"),
-                                        (signal.SIGINT, "when_locked"),
-                                        (signal.SIGINT, "first_compile")])
+                                        # the other moments of the same handler: slow tier
+                                        pytest.param(signal.SIGINT, "when_locked", marks=pytest.mark.slow),
+                                        pytest.param(signal.SIGINT, "first_compile", marks=pytest.mark.slow)])
 def test_a_signal_saves_a_consistent_checkpoint_or_none_and_resume_is_exact(tmp_path, env, reference, sig, moment):
   workdir = str(tmp_path / "run")
   lock = os.path.join(workdir, ".lock")
@@ -134,6 +135,7 @@ def test_a_signal_saves_a_consistent_checkpoint_or_none_and_resume_is_exact(tmp_
   assert _losses(workdir) == reference  # bit for bit (the JSON floats round-trip exactly)
 
 
+@pytest.mark.slow  # a third training run of the handler (the SIGTERM test above stays in the default tier)
 def test_a_second_signal_exits_at_once_and_the_rerun_is_still_exact(tmp_path, env, reference):
   workdir = str(tmp_path / "run")
   rc, err = _interrupt(workdir, env, signal.SIGTERM, lambda: _logged(workdir), count=2)

@@ -146,6 +146,7 @@ def test_the_update_writes_the_donated_state_in_place():
   assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * param_bytes
 
 
+@pytest.mark.slow  # compiles scanned steps with and without linked passes
 def test_master_weights_cast_each_scanned_layer_where_it_is_used():
   """With fp32 master weights and scanned layers (remat 'nothing_saveable'), each layer's slice of the master is
   cast to bf16 inside the scan: loss and gradients equal casting the whole master before the model (as

@@ -17,12 +17,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STEPS = 100
 MIN_SOLVED = 0.15
 MIN_CELL_ACCURACY = 0.60
 
 
+@pytest.mark.slow  # a whole Sudoku training run in a subprocess (minutes)
 def test_short_sudoku_run_solves_easy_puzzles(tmp_path):
   overrides = {
       "data.generator_args.num_train": 1500, "data.generator_args.num_validation": 8,
