@@ -40,9 +40,9 @@ _REPLACE = flags.DEFINE_bool("replace", False, "Replace a report of the same ste
 def report_dir(out_dir: str, step: int, *, replace: bool) -> str:
   """`out_dir`, or when it already holds the report of `step` (training's own, or an earlier evaluation's) and
   not `replace`, the first free `out_dir/evaluate-N` (N = 1, 2, ...): a report is never replaced unasked."""
-  from hackable_diffusion.evaluation import loop
+  from hackable_diffusion.evaluation import report as report_lib
 
-  if replace or not os.path.exists(os.path.join(out_dir, loop.REPORT_PATTERN.format(step=step))):
+  if replace or not os.path.exists(os.path.join(out_dir, report_lib.REPORT_PATTERN.format(step=step))):
     return out_dir
   n = 1
   while os.path.lexists(os.path.join(out_dir, f"evaluate-{n}")):
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f"--workdir={_WORKDIR.value}: no such directory")
   from hackable_diffusion import sharding
   from hackable_diffusion.sharding import is_main_process
-  from hackable_diffusion.evaluation import loop
+  from hackable_diffusion.evaluation import report as report_lib
   from hackable_diffusion.runs import run as run_lib
   from hackable_diffusion.runs.config import ExperimentConfig
   from hackable_diffusion.runs import workdir as workdir_lib
@@ -91,9 +91,9 @@ def main(argv: list[str]) -> None:
     sampling = {k: v for k, v in report["runs"][0]["sampling"].items() if v != {}}  # acceptance_args when set
     print("sampler (the run's config.json unless --config.eval.sampling.NAME=VALUE): "
           + "  ".join(f"{k}={v}" for k, v in sampling.items()))
-  for line in loop.summary_lines(report):
+  for line in report_lib.summary_lines(report):
     print(line)
-  print(f"report: {os.path.join(out_dir, loop.REPORT_PATTERN.format(step=run.step))}")
+  print(f"report: {os.path.join(out_dir, report_lib.REPORT_PATTERN.format(step=run.step))}")
 
 
 def run() -> None:

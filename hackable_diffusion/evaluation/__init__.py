@@ -1,2 +1,2 @@
-"""Evaluation: the generation-based evaluation loop (`loop.py`; several tries per example: `tries.py`). Tasks
-(metrics + data hooks) live in `hackable_diffusion.tasks`."""
+"""Evaluation: the generation-based evaluation loop (`loop.py`), its report on disk (`report.py`) and several tries
+per example (`tries.py`). Tasks (metrics + data hooks) live in `hackable_diffusion.tasks`."""

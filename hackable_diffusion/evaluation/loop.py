@@ -1,4 +1,4 @@
-"""Generation-based evaluation: accuracy against the denoising-step budget, a JSON report and a plot.
+"""Generation-based evaluation: accuracy against the denoising-step budget, as a report (a dict).
 
 For each step budget `N` of the config (`eval.step_budgets`) the sampler runs with early stopping off and
 `max_denoising_steps=N`; one more run uses early stopping with `eval.early_stopping_steps` as the cap (the
@@ -14,17 +14,12 @@ split over the batch axes. Every process runs the same programs on the same (who
 generated tokens come back to the host. The results are those of one device: a row's random draws depend on the
 key and the row only (threefry's partitionable bits), not on the batch it is padded into.
 
-Outputs: `<out_dir>/report_step_{N}.json`, `<out_dir>/accuracy_vs_steps_step_{N}.png` and, for tasks that can
-draw it (Sudoku), `<out_dir>/canvas_step_{N}.png`: the first example's canvas converging step by step.
+The report is written, plotted and summarised by `evaluation.report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,8 +32,8 @@ from hackable_diffusion import sharding as sharding_lib
 from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
+from hackable_diffusion.evaluation import report as report_lib
 from hackable_diffusion.evaluation import tries as tries_lib
-from hackable_diffusion.files import check_not_link, makedirs_no_link, write_figure, write_json
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.tasks.base import checker as task_checker
 from hackable_diffusion.sampling.checker import Checker
@@ -46,9 +41,6 @@ from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sampling.generate import generate
 from hackable_diffusion.sampling.stream import StreamRequest, generate_stream, longest_first
 
-REPORT_PATTERN = "report_step_{step}.json"
-PLOT_PATTERN = "accuracy_vs_steps_step_{step}.png"
-CANVAS_PLOT_PATTERN = "canvas_step_{step}.png"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +374,7 @@ def run_evaluation(model: Any, tokenizer: Tokenizer, data: EvalData, task: Task,
     report["trajectory"] = {"run": run.name, "prompt": data.examples[0].prompt,
                             "target": data.examples[0].completion, "steps": steps}
   if out_dir is not None:
-    write_report(report, out_dir, task=task)
+    report_lib.write_report(report, out_dir, task=task)
   return report
 
 
@@ -397,88 +389,5 @@ def _run_checker(run: EvalRun, task: Task, tokenizer: Tokenizer) -> Checker | No
   return found
 
 
-def _json_clean(x: Any) -> Any:
-  if isinstance(x, dict):
-    return {k: _json_clean(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_json_clean(v) for v in x]
-  if isinstance(x, float) and not math.isfinite(x):
-    return None  # strict JSON has no NaN/inf
-  return x
-
-
-def write_report(report: dict[str, Any], out_dir: str, task: Task | None = None) -> str:
-  """Writes `report_step_{N}.json` and `accuracy_vs_steps_step_{N}.png` into `out_dir`, and
-  `canvas_step_{N}.png` when the report has a trajectory and `task` can draw it; returns the JSON path."""
-  makedirs_no_link(out_dir)
-  step = report.get("step") or 0
-  path = os.path.join(out_dir, REPORT_PATTERN.format(step=step))
-  write_json(path, _json_clean(report), sort_keys=False)
-  plot_report(report, os.path.join(out_dir, PLOT_PATTERN.format(step=step)))
-  if task is not None and report.get("trajectory"):
-    _plot_trajectory(task, report["trajectory"], os.path.join(out_dir, CANVAS_PLOT_PATTERN.format(step=step)))
-  return path
-
-
-def _plot_trajectory(task: Task, trajectory: Any, path: str) -> None:
-  """`task.plot_trajectory` into a private fresh directory beside `path`, then renamed over it: the task's own
-  writer never meets a symbolic link planted at `path` (refused, one line)."""
-  check_not_link(path)
-  private = tempfile.mkdtemp(prefix=".plot-", dir=os.path.dirname(path))  # 0700, a new name
-  try:
-    tmp = os.path.join(private, os.path.basename(path))
-    if task.plot_trajectory(trajectory, tmp) is not None and os.path.exists(tmp):
-      os.replace(tmp, path)
-  finally:
-    shutil.rmtree(private, ignore_errors=True)
-
-
-def plot_report(report: dict[str, Any], path: str) -> str:
-  """Primary metric (and every other metric in [0, 1]) against the step budget; early stopping as a star at
-  its mean denoising steps per canvas. Uses the Agg canvas directly (no global backend change)."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  fixed = [r for r in report["runs"] if not r["early_stopping"] and not r.get("ablation")]
-  early = [r for r in report["runs"] if r["early_stopping"] and not r.get("ablation")]
-  ablations = [r for r in report["runs"] if r.get("ablation")]
-  primary = report["primary_metric"]
-  names = [primary] + sorted({k for r in report["runs"] for k, v in r["metrics"].items()
-                              if k != primary and v is not None and 0.0 <= v <= 1.0 and "/" not in k})
-  fig = Figure(figsize=(6, 4), dpi=100)
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot(1, 1, 1)
-  for i, name in enumerate(names):
-    color = f"C{i}"
-    xs = [r["max_denoising_steps"] for r in fixed if name in r["metrics"]]
-    ys = [r["metrics"][name] for r in fixed if name in r["metrics"]]
-    ax.plot(xs, ys, marker="o", color=color, label=name, linewidth=2 if name == primary else 1)
-    for r in early:
-      if name in r["metrics"]:
-        ax.plot([r["mean_denoising_steps"]], [r["metrics"][name]], marker="*", markersize=14, color=color,
-                linestyle="none", label=f"{name} (early stopping)" if name == primary else None)
-  for j, r in enumerate(ablations):
-    if r["metrics"].get(primary) is not None:
-      ax.plot([r["max_denoising_steps"]], [r["metrics"][primary]], marker="Xdvs^<>"[j % 7], markersize=9,
-              color="black", linestyle="none", label=f"{primary}, {r['ablation']}")
-  ax.set_xlabel("denoising steps per canvas")
-  ax.set_ylabel("metric")
-  ax.set_title(f"{report.get('task')} @ step {report.get('step')} ({report.get('num_examples')} examples)")
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  return write_figure(fig, path)
-
-
-def summary_lines(report: dict[str, Any]) -> list[str]:
-  """A small text table of a report (one line per run)."""
-  lines = []
-  for r in report["runs"]:
-    shown = "  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
-    lines.append(f"{r['name']:>16}  steps/canvas={r['mean_denoising_steps']:6.1f}  {shown}")
-  return lines
-
-
-__all__ = ["CANVAS_PLOT_PATTERN", "EvalData", "EvalRun", "PLOT_PATTERN", "REPORT_PATTERN", "SAMPLER_FIELDS",
-           "ablation_runs", "batch_rows", "eval_runs", "generate_texts", "load_eval_data", "one_width", "plot_report",
-           "run_evaluation", "sampler_fields", "summary_lines", "trajectory_texts", "write_report"]
+__all__ = ["EvalData", "EvalRun", "SAMPLER_FIELDS", "ablation_runs", "batch_rows", "eval_runs", "generate_texts",
+           "load_eval_data", "one_width", "run_evaluation", "sampler_fields", "trajectory_texts"]

@@ -59,6 +59,7 @@ from hackable_diffusion import sharding
 from hackable_diffusion.data.sft import make_sft_dataset
 from hackable_diffusion.errors import TrainingError
 from hackable_diffusion.evaluation import loop as eval_loop
+from hackable_diffusion.evaluation import report as eval_report
 from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.runs import workdir as workdir_lib
 from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer
@@ -392,7 +393,7 @@ class Trainer:
       if not interrupts.requested:
         self.checkpointer.wait()
       if cfg.eval_at_end and step == total and not interrupts.requested:
-        report_path = os.path.join(self.workdir, run_lib.EVAL_DIR, eval_loop.REPORT_PATTERN.format(step=step))
+        report_path = os.path.join(self.workdir, run_lib.EVAL_DIR, eval_report.REPORT_PATTERN.format(step=step))
         if not os.path.exists(report_path):
           self._evaluate_and_log(step, writer, bar)
       if interrupts.requested:

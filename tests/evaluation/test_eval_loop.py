@@ -11,6 +11,7 @@ import pytest
 
 from hackable_diffusion.data import SFTDataConfig, train_tokenizer
 from hackable_diffusion.evaluation import loop
+from hackable_diffusion.evaluation import report as report_lib
 from hackable_diffusion.model.config import ConfigError, get_preset
 from hackable_diffusion.model.transformer import init_model
 from hackable_diffusion.sampling.config import SamplingConfig
@@ -95,7 +96,7 @@ def test_run_evaluation_report_and_plot(setup):
   png = os.path.join(out, "accuracy_vs_steps_step_11.png")
   with open(png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  assert len(loop.summary_lines(report)) == 3
+  assert len(report_lib.summary_lines(report)) == 3
 
 
 def test_task_hooks_reach_the_sampler(setup):
@@ -250,7 +251,7 @@ def test_ablation_runs_and_trajectory(setup):
   assert all(0 < len(s) <= 8 and s[0] == data.examples[0].completion[0] for s in traj["steps"])
   assert all(set(s) <= set("0123456789") for s in traj["steps"])  # the task's allowed tokens
   # the base Task draws nothing; the JSON still carries the trajectory
-  assert not os.path.exists(os.path.join(out, loop.CANVAS_PLOT_PATTERN.format(step=0)))
+  assert not os.path.exists(os.path.join(out, report_lib.CANVAS_PLOT_PATTERN.format(step=0)))
   with open(os.path.join(out, "report_step_0.json")) as f:
     assert json.load(f)["trajectory"]["steps"] == traj["steps"]
 

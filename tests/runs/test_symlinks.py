@@ -141,7 +141,7 @@ def test_the_metric_writer_never_writes_through_a_link(tmp_path, victim):
 def test_evaluation_reports_and_plots_never_follow_a_link(tmp_path, victim):
   """`write_report`: the report, the accuracy plot and the task's canvas plot are refused when a link stands at
   their name, and so is a linked output directory; the targets stay as they were."""
-  from hackable_diffusion.evaluation import loop
+  from hackable_diffusion.evaluation import report as report_lib
 
   report = {"step": 3, "task": "t", "num_examples": 1, "primary_metric": "acc", "trajectory": {"steps": ["a"]},
             "runs": [{"name": "steps_2", "early_stopping": False, "max_denoising_steps": 2,
@@ -155,21 +155,21 @@ def test_evaluation_reports_and_plots_never_follow_a_link(tmp_path, victim):
       return path
 
   out = tmp_path / "eval"
-  for pattern in (loop.REPORT_PATTERN, loop.PLOT_PATTERN, loop.CANVAS_PLOT_PATTERN):
+  for pattern in (report_lib.REPORT_PATTERN, report_lib.PLOT_PATTERN, report_lib.CANVAS_PLOT_PATTERN):
     out.mkdir(exist_ok=True)
     target = out / pattern.format(step=3)
     os.symlink(victim, target)
     with pytest.raises(UnsafePathError, match="is a symbolic link"):
-      loop.write_report(report, str(out), task=Drawing())
+      report_lib.write_report(report, str(out), task=Drawing())
     assert open(victim).read() == VICTIM_TEXT and os.path.islink(target)
     shutil.rmtree(out)
   os.symlink(tmp_path, out)
   with pytest.raises(UnsafePathError, match="eval is a symbolic link"):
-    loop.write_report(report, str(out), task=Drawing())
+    report_lib.write_report(report, str(out), task=Drawing())
   os.remove(out)
-  loop.write_report(report, str(out), task=Drawing())
+  report_lib.write_report(report, str(out), task=Drawing())
   assert sorted(os.listdir(out)) == sorted(p.format(step=3) for p in (
-      loop.REPORT_PATTERN, loop.PLOT_PATTERN, loop.CANVAS_PLOT_PATTERN))
+      report_lib.REPORT_PATTERN, report_lib.PLOT_PATTERN, report_lib.CANVAS_PLOT_PATTERN))
 
 
 def test_permissions_follow_the_umask_without_changing_it(tmp_path, monkeypatch):
