@@ -15,7 +15,7 @@ _LAZY = {
     "VisionConfig": "hackable_diffusion.model.vision_config",
     "get_preset": "hackable_diffusion.model.config",
     "DiffusionGemma": "hackable_diffusion.model.transformer",
-    "KVCache": "hackable_diffusion.model.attention",
+    "KVCache": "hackable_diffusion.model.kv_cache",
     "load_pretrained": "hackable_diffusion.interop.hf",
     "save_pretrained": "hackable_diffusion.interop.hf",
     "SamplingConfig": "hackable_diffusion.sampling.config",

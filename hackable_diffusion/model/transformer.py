@@ -23,7 +23,8 @@ from flax import nnx
 
 import hackable_diffusion.sharding.logical as sharding
 from hackable_diffusion.model import head, layers, matmul, moe, remat, scan, structure, vision, vision_attention
-from hackable_diffusion.model.attention import Attention, KVCache, decoder_prefix_mask
+from hackable_diffusion.model.attention import Attention, decoder_prefix_mask
+from hackable_diffusion.model.kv_cache import KVCache
 from hackable_diffusion.model.config import FULL, SLIDING, ModelConfig
 
 Array = jax.Array

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hackable_diffusion import sharding as sharding_lib
-from hackable_diffusion.model.attention import KVCache
+from hackable_diffusion.model.kv_cache import KVCache
 from hackable_diffusion.sampling import programs
 from hackable_diffusion.sampling.checker import Checker
 from hackable_diffusion.sampling.config import SamplingConfig
