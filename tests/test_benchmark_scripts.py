@@ -117,6 +117,37 @@ def test_memory_report_image_case_adds_the_tower_and_the_image_tokens():
   assert i_args > a_args and i_temps > a_temps, rows
 
 
+def _case_table(lines: list[str], header: str) -> dict[str, list[float]]:
+  """The rows after `header` (a markdown table) as {case name: [arguments, temporaries, added, total]}."""
+  start = lines.index(header) + 2  # the header and its |---| line
+  rows = {}
+  for line in lines[start:]:
+    if not line.startswith("| "):
+      break
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    rows[cells[0]] = [float(c.strip("*")) for c in cells[1:5]]
+  return rows
+
+
+def test_memory_report_prints_the_table_the_docs_show():
+  """docs/results.md shows the 26B figures as `scripts/memory_report.py` prints them: the same header (in GiB) and
+  row names (the smoke run's rows are a subset), and each row's total is the sum of its parts."""
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--smoke", "--cases=c"],
+                        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  printed = proc.stdout.splitlines()
+  (header,) = [line for line in printed if line.startswith("| case | arguments")]
+  smoke = _case_table(printed, header)
+  with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+    docs = _case_table(f.read().splitlines(), header.replace("MiB", "GiB"))
+  assert set(smoke) == {"c: sampler step, batch 8", "c: sampler step, batch 64"} and set(smoke) <= set(docs), (
+      sorted(smoke), sorted(docs))
+  for name, (args, temps, added, total) in docs.items():
+    assert re.match(r"(a|b|b2|b16|c|d|q8|q4|q8p|q4p|qn|i): ", name), name
+    assert abs(args + temps + added - total) <= 0.15, (name, docs[name])
+
+
 def test_memory_report_refuses_an_unknown_case():
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "memory_report.py"), "--cases=a,z"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
