@@ -32,9 +32,9 @@ from typing import Any, Protocol, runtime_checkable
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.sampling import rules
 
 Array = jax.Array
 
@@ -59,7 +59,7 @@ class CheckerArg:
 
 def is_static(checker: Checker) -> bool:
   """True when `checker` is not a pytree node (e.g. a plain function): it is then part of the compile key."""
-  return jax.tree_util.treedef_is_leaf(jax.tree.structure(checker))
+  return rules.is_static(checker)
 
 
 def check_checker(checker: Any, what: str = "checker") -> None:
@@ -74,24 +74,10 @@ def check_checker(checker: Any, what: str = "checker") -> None:
                       f"compile key)") from None
 
 
-def _traced_leaf(value: Any) -> Array:
-  """A checker field as a strongly typed array (bool / int32 / float32): equal checkers share one program."""
-  arr = value if isinstance(value, jax.Array) else np.asarray(value)
-  kind = arr.dtype.kind
-  if kind == "b":
-    return jnp.asarray(arr, bool)
-  if kind in "iu":
-    return jnp.asarray(arr, jnp.int32)
-  if kind == "f":
-    return jnp.asarray(arr, jnp.float32)
-  raise ConfigError(f"checker: field {value!r} is not a number or an array of numbers (mark non-numeric fields "
-                    f"flax.struct.field(pytree_node=False))")
-
-
 def checker_arg(checker: Checker, restarts: int, budget: int) -> CheckerArg:
   """The traced argument of the loop for `checker` (its leaves as arrays; None when the checker is static)."""
   check_checker(checker)
-  traced = None if is_static(checker) else jax.tree.map(_traced_leaf, checker)
+  traced = None if is_static(checker) else jax.tree.map(lambda v: rules.traced_leaf(v, "checker:"), checker)
   return CheckerArg(checker=traced, restarts=jnp.asarray(restarts, jnp.int32), budget=jnp.asarray(budget, jnp.int32))
 
 

@@ -220,28 +220,13 @@ def _check_mesh(mesh: Any, batch: int) -> None:
                      f"{dict(mesh.shape)} (data x fsdp x expert); pad the batch to a multiple of {shards}")
 
 
-def _traced_leaf(value: Any) -> Array:
-  """A rule field as a strongly typed array (float32 / int32 / bool), so that a Python `0.1` and a numpy `0.5`
-  compile the same program (weak types and 64-bit numpy scalars would otherwise change the compile key)."""
-  arr = value if isinstance(value, jax.Array) else np.asarray(value)
-  kind = arr.dtype.kind
-  if kind == "b":
-    return jnp.asarray(arr, bool)
-  if kind in "iu":
-    return jnp.asarray(arr, jnp.int32)
-  if kind == "f":
-    return jnp.asarray(arr, jnp.float32)
-  raise ConfigError(f"acceptance: rule field {value!r} is not a number or an array of numbers (mark non-numeric "
-                    f"fields flax.struct.field(pytree_node=False))")
-
-
 def _rule(config: SamplingConfig, acceptance: Any) -> tuple[rules.AcceptanceRule, Any]:
   """(the rule, its traced argument or None when it is static)."""
   rule = config.acceptance_rule() if acceptance is None else acceptance
   rules.check_rule(rule)
   if rules.is_static(rule):
     return rule, None
-  return rule, jax.tree.map(_traced_leaf, rule)
+  return rule, jax.tree.map(lambda v: rules.traced_leaf(v, "acceptance: rule"), rule)
 
 
 def _checker(config: SamplingConfig, checker: Any, trajectory: bool) -> tuple[Any, dict[str, Any]]:

@@ -32,6 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from hackable_diffusion import specs
 from hackable_diffusion.errors import ConfigError
@@ -137,8 +139,25 @@ def make_rule(spec: str, args: Mapping[str, Any] | None = None) -> AcceptanceRul
   return rule
 
 
-def is_static(rule: AcceptanceRule) -> bool:
-  """True when `rule` is not a pytree node (e.g. a plain function): it is then part of the compile key."""
+def traced_leaf(value: Any, what: str) -> jax.Array:
+  """A numeric field of a rule or checker as a strongly typed array (bool / int32 / float32), so that a Python `0.1`
+  and a numpy `0.5` compile the same program (weak types and 64-bit numpy scalars would change the compile key).
+  `what` names the owner in the one-line error for a field that is not a number."""
+  arr = value if isinstance(value, jax.Array) else np.asarray(value)
+  kind = arr.dtype.kind
+  if kind == "b":
+    return jnp.asarray(arr, bool)
+  if kind in "iu":
+    return jnp.asarray(arr, jnp.int32)
+  if kind == "f":
+    return jnp.asarray(arr, jnp.float32)
+  raise ConfigError(f"{what} field {value!r} is not a number or an array of numbers (mark non-numeric fields "
+                    f"flax.struct.field(pytree_node=False))")
+
+
+def is_static(rule: Any) -> bool:
+  """True when `rule` (or a checker) is not a pytree node (e.g. a plain function): it is then part of the compile
+  key."""
   return jax.tree_util.treedef_is_leaf(jax.tree.structure(rule))
 
 
@@ -162,4 +181,4 @@ def check_rule(rule: Any, what: str = "acceptance") -> None:
 
 
 __all__ = ["AcceptanceRule", "BUILTIN_RULES", "ConfidenceThreshold", "EntropyBound", "TopK", "check_rule",
-           "is_static", "make_rule", "resolve_factory"]
+           "is_static", "make_rule", "resolve_factory", "traced_leaf"]

@@ -192,3 +192,18 @@ def test_call_errors_are_one_line(model):
     EvalSection(sampling=hd.SamplingConfig(checker_restarts=1))
   with pytest.raises(ConfigError, match="eval.samples_per_prompt=0"):
     EvalSection(samples_per_prompt=0)
+
+
+@flax.struct.dataclass
+class _NamedChecker:
+  name: Any  # a non-numeric pytree field: not traceable
+
+  def __call__(self, canvas_ids):
+    return jnp.zeros(canvas_ids.shape, bool)
+
+
+def test_a_non_numeric_checker_field_is_one_line():
+  with pytest.raises(ConfigError, match=r"^checker: field 'sudoku' is not a number"):
+    checker_lib.checker_arg(_NamedChecker("sudoku"), restarts=0, budget=8)
+  arg = checker_lib.checker_arg(_NamedChecker(np.float64(0.5)), restarts=0, budget=8)
+  assert arg.checker.name.dtype == jnp.float32  # numeric fields are traced with a fixed dtype
