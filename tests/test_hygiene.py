@@ -48,6 +48,9 @@ def _tracked_files() -> list[str]:
                           capture_output=True, check=False)
     if proc.returncode == 0:
       files = [p for p in proc.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+      # a virtualenv made inside the clone (`python3 -m venv v`, as the README allows) is not the project's
+      venvs = {p.split("/")[0] for p in files if p.count("/") == 1 and p.endswith("/pyvenv.cfg")}
+      files = [p for p in files if p.split("/")[0] not in venvs]
       if files:
         return files
   found = []  # no git or no checkout: every file of the tree, minus VCS / build / cache directories
