@@ -85,7 +85,8 @@ _PLACEHOLDER = flags.DEFINE_string("placeholder", "_", "The character of --seed_
 _PINNED = flags.DEFINE_bool("pinned", True, "Pin the non-placeholder tokens of --seed_canvas (false: they only "
                             "start the canvas).")
 _LIVE = flags.DEFINE_bool("live", False, "Print the argmax canvas after every denoising step.")
-_MOE_IMPL = flags.DEFINE_enum("moe_impl", None, ["auto", "tiled", "dense", "ragged", "grouped", "expert_parallel"],
+_MOE_IMPL = flags.DEFINE_enum("moe_impl", None, ["auto", "tiled", "dense", "ragged", "grouped", "expert_parallel",
+                                                "all_to_all"],
                               "How the MoE experts run (ModelConfig.moe_impl). Default: 'auto' for --checkpoint "
                               "(grouped matmuls on a GPU or TPU, the tiled scan on a CPU); a --workdir keeps its "
                               "run's model.moe_impl unless this is given (the values agree to float rounding).")

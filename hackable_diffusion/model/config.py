@@ -24,7 +24,7 @@ from hackable_diffusion.model.vision_config import VisionConfig, checked_vision,
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _DTYPES = ("float32", "bfloat16", "float16")
-_MOE_IMPLS = ("auto", "tiled", "dense", "ragged", "grouped", "expert_parallel")
+_MOE_IMPLS = ("auto", "tiled", "dense", "ragged", "grouped", "expert_parallel", "all_to_all")
 # Rematerialisation of each transformer layer in the backward pass: a `jax.checkpoint_policies` name saying which
 # intermediates of a layer are kept ('nothing_saveable': only the layer's input, everything else recomputed), or
 # 'none' (no remat: autodiff keeps every residual).
@@ -122,8 +122,9 @@ class ModelConfig:
   # (fastest on CPU); "dense": every expert on every token, the unselected weighted 0; "ragged": sorted tokens through
   # `jax.lax.ragged_dot_general` (XLA:TPU runs it natively; XLA:GPU rewrites it densely); "grouped": grouped GEMMs
   # (tokamax's ragged dot when installed, else expert tiles of 64 rows, `model/moe_grouped.py`); "expert_parallel":
-  # inside `shard_map` over the `expert` mesh axis; "auto": tiled on CPU, grouped on GPU/TPU, expert_parallel under
-  # a mesh with expert > 1.
+  # inside `shard_map` over the `expert` mesh axis, tokens all-gathered; "all_to_all": the same, assignments sent by
+  # ragged all-to-all; "auto": tiled on CPU, grouped on GPU/TPU, under a mesh with expert > 1 expert_parallel
+  # (expert <= top_k) or all_to_all.
   moe_impl: str = "auto"
   remat: str = "none"  # per-layer rematerialisation policy, one of REMAT_POLICIES
   # "bfloat16": the projections (attention q/k/v/o, MLPs, tiled experts, the untiled head; not the router or the

@@ -13,9 +13,12 @@ saving, LoRA and PEFT never see a second layout. `ModelConfig.moe_impl` picks on
                    where the optional `tokamax` is installed, else plain-XLA batched tiles on GPU/CPU and
                    `ragged` on TPU
   expert_parallel  `ragged` inside `jax.shard_map` over the `expert` mesh axis: each device runs only its own
-                   experts (`expert_parallel_experts`)
-  auto             `choose_moe_impl`: CPU -> tiled; GPU/TPU -> grouped, or expert_parallel when the active mesh
-                   (`sharding.active_mesh`) has an `expert` axis > 1. Logged once per distinct choice.
+                   experts on its group's all-gathered tokens (`expert_parallel_experts`)
+  all_to_all       the same split of the experts, the assignments sent to their experts' devices and back by
+                   ragged all-to-all (`model/moe_all_to_all.py`)
+  auto             `choose_moe_impl`: CPU -> tiled; GPU/TPU -> grouped, or, when the active mesh
+                   (`sharding.active_mesh`) has an `expert` axis > 1, expert_parallel (axis <= top_k) or
+                   all_to_all (axis > top_k). Logged once per distinct choice.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from hackable_diffusion.model import layers, moe_grouped
+from hackable_diffusion.model import layers, moe_all_to_all, moe_grouped
 from hackable_diffusion.model.moe_tiled import ExpertSplit, tiled_experts
 from hackable_diffusion.sharding.local import gather_whole, row_axes, spec_axes, weight_spec
 from hackable_diffusion.sharding.logical import active_mesh, active_rules, logical_to_mesh_spec
@@ -101,37 +104,40 @@ class Experts(nnx.Module):
 
 
 # ---- choosing the kernel ------------------------------------------------------------------------------------------
-def choose_moe_impl(requested: str, backend: str, expert_axis: int, num_experts: int) -> str:
+def choose_moe_impl(requested: str, backend: str, expert_axis: int, num_experts: int, top_k: int = 0) -> str:
   """The kernel `requested` runs as on `backend` ('cpu', 'gpu', 'tpu') under a mesh whose `expert` axis has size
-  `expert_axis` (1: no mesh), for `num_experts` experts. 'auto': CPU -> 'tiled'; else 'expert_parallel' when the
-  experts split evenly over an expert axis > 1, else 'grouped'. 'expert_parallel' without an expert axis runs as
-  'ragged'; the other names run as themselves."""
+  `expert_axis` (1: no mesh), for `num_experts` experts, `top_k` per token (0: unknown). 'auto': CPU -> 'tiled';
+  else, when the experts split evenly over an expert axis > 1, 'all_to_all' if that axis exceeds top_k (the
+  all-to-all then moves fewer rows than the all-gather) and 'expert_parallel' otherwise; else 'grouped'.
+  'expert_parallel' / 'all_to_all' without an expert axis run as 'ragged'; the other names run as themselves."""
   if requested == "auto":
     if backend == "cpu":
       return "tiled"
-    return "expert_parallel" if expert_axis > 1 and num_experts % expert_axis == 0 else "grouped"
-  if requested == "expert_parallel" and expert_axis <= 1:
+    if expert_axis > 1 and num_experts % expert_axis == 0:
+      return "all_to_all" if 0 < top_k < expert_axis else "expert_parallel"
+    return "grouped"
+  if requested in ("expert_parallel", "all_to_all") and expert_axis <= 1:
     return "ragged"
   return requested
 
 
 @functools.lru_cache(maxsize=32)
-def _logged_choice(requested: str, backend: str, expert_axis: int, num_experts: int) -> str:
+def _logged_choice(requested: str, backend: str, expert_axis: int, num_experts: int, top_k: int) -> str:
   """`choose_moe_impl`, logged once per distinct argument tuple (a bounded cache: at most 32 lines)."""
-  choice = choose_moe_impl(requested, backend, expert_axis, num_experts)
-  _LOG.info("MoE: moe_impl=%r runs as %r (backend %s, expert mesh axis %d, %d experts)", requested, choice, backend,
-            expert_axis, num_experts)
+  choice = choose_moe_impl(requested, backend, expert_axis, num_experts, top_k)
+  _LOG.info("MoE: moe_impl=%r runs as %r (backend %s, expert mesh axis %d, %d experts, top %d)", requested, choice,
+            backend, expert_axis, num_experts, top_k)
   return choice
 
 
-def resolve_moe_impl(requested: str, num_experts: int, mesh: Mesh | None = None) -> str:
+def resolve_moe_impl(requested: str, num_experts: int, mesh: Mesh | None = None, top_k: int = 0) -> str:
   """`choose_moe_impl` for the active mesh (`sharding.active_mesh()` unless given) and its devices' platform."""
   mesh = active_mesh() if mesh is None else mesh
   if mesh is None:
     backend, expert_axis = jax.default_backend(), 1
   else:
     backend, expert_axis = mesh.devices.flat[0].platform, int(dict(mesh.shape).get(EXPERT_AXIS, 1))
-  return _logged_choice(requested, backend, expert_axis, num_experts)
+  return _logged_choice(requested, backend, expert_axis, num_experts, top_k)
 
 
 def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
@@ -141,9 +147,10 @@ def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Ar
   x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. `matmul_dtype` ('auto' /
   'bfloat16', `ModelConfig.matmul_dtype`) applies to the `tiled` kernel; the others compute in the weights' dtype.
   """
-  impl = resolve_moe_impl(impl, gate_up.shape[0])
-  if impl == "expert_parallel":
-    return expert_parallel_experts(x, weights, idx, gate_up, down, mesh=active_mesh())
+  impl = resolve_moe_impl(impl, gate_up.shape[0], top_k=idx.shape[-1])
+  if impl in ("expert_parallel", "all_to_all"):
+    dispatch = "gather" if impl == "expert_parallel" else "all_to_all"
+    return expert_parallel_experts(x, weights, idx, gate_up, down, mesh=active_mesh(), dispatch=dispatch)
   if impl == "ragged":
     return on_local_tokens(ragged_experts, x, weights, idx, (gate_up, down))
   if impl == "grouped":
@@ -153,7 +160,7 @@ def experts_forward(impl: str, x: Array, weights: Array, idx: Array, gate_up: Ar
   if impl == "tiled":
     kernel = functools.partial(tiled_experts, bf16=matmul_dtype == "bfloat16")
     return on_local_tokens(kernel, x, weights, idx, (gate_up, down), per_expert=True)
-  raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged, grouped or expert_parallel")
+  raise ValueError(f"moe_impl={impl!r}; expected auto, tiled, dense, ragged, grouped, expert_parallel or all_to_all")
 
 
 def grouped_kernel(platform: str | None = None) -> Callable:
@@ -309,7 +316,7 @@ def on_local_tokens(kernel: Callable, x: Array, weights: Array, idx: Array, expe
 
 
 def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *,
-                            mesh: Mesh, axis: str = EXPERT_AXIS) -> Array:
+                            mesh: Mesh, axis: str = EXPERT_AXIS, dispatch: str = "gather") -> Array:
   """`dense_experts`' function with the experts split over the mesh axis `axis` (n devices, E/n experts each).
 
   x [T, H], weights/idx [T, K], gate_up [E, 2I, H], down [E, H, I] -> [T, H]. Inside `jax.shard_map`: tokens are
@@ -321,7 +328,13 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
   split of them is all-gathered at the boundary, as FSDP does per layer). The grouped matmuls are tokamax's
   kernels where `moe_grouped.grouped_backend` picks them, else `jax.lax.ragged_dot_general` (densified by
   XLA:GPU: on GPU without tokamax prefer `grouped` without an expert axis).
+
+  `dispatch='all_to_all'`: the assignments travel to their experts' devices and back by ragged all-to-all
+  (`moe_all_to_all`: ~2 x K x T_local rows moved instead of 2 x n x T_local); used when the tokens are split over
+  `axis` (else every device of the group holds all tokens and the gather path has nothing to gather).
   """
+  if dispatch not in ("gather", "all_to_all"):
+    raise ValueError(f"expert_parallel: dispatch={dispatch!r}; expected 'gather' or 'all_to_all'")
   n, num_experts = int(dict(mesh.shape)[axis]), gate_up.shape[0]
   if num_experts % n:
     raise ValueError(f"expert_parallel: {num_experts} experts do not split over mesh axis {axis!r} of size {n}")
@@ -336,6 +349,12 @@ def expert_parallel_experts(x: Array, weights: Array, idx: Array, gate_up: Array
                                implementation=moe_grouped.tokamax_implementations(platform))
 
   def per_device(x, weights, idx, gate_up, down):
+    if gathered and dispatch == "all_to_all":
+      if other_axes:
+        gate_up, down = (jax.lax.pcast(w, other_axes, to="varying") for w in (gate_up, down))
+      mlp = functools.partial(grouped_mlp, matmul=matmul)
+      return moe_all_to_all.all_to_all_experts(x, weights, idx, gate_up, down, axis=axis, mlp=mlp,
+                                               native=platform != "cpu")
     if gathered:
       x, weights, idx = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, weights, idx))
     else:  # every device of the group holds all tokens; what each computes from them differs

@@ -136,7 +136,10 @@ def test_ragged_step_reads_weights_without_copy(step_programs, platform, mode):
     ("auto", "tpu", 8, "expert_parallel"),
     ("auto", "gpu", 3, "grouped"),  # 8 experts do not split 3 ways
     ("auto", "tpu", 5, "grouped"),  # 8 experts do not split 5 ways: the weights are replicated, grouped
+    ("auto", "gpu", 16, "grouped"),  # 8 experts do not split 16 ways
     ("expert_parallel", "gpu", 1, "ragged"),  # no expert axis: nothing to split
+    ("all_to_all", "tpu", 1, "ragged"),
+    ("all_to_all", "cpu", 2, "all_to_all"),
     ("expert_parallel", "cpu", 2, "expert_parallel"),
     ("tiled", "gpu", 8, "tiled"),  # an explicit kernel is kept
     ("dense", "tpu", 1, "dense"),
@@ -144,6 +147,16 @@ def test_ragged_step_reads_weights_without_copy(step_programs, platform, mode):
 ])
 def test_auto_decision_table(requested, backend, expert_axis, want):
   assert moe.choose_moe_impl(requested, backend, expert_axis, num_experts=8) == want
+
+
+@pytest.mark.parametrize("expert_axis, top_k, want", [
+    (8, 8, "expert_parallel"),  # the all-gather moves n = 8 rows per token, the all-to-all ~K = 8: the simpler one
+    (16, 8, "all_to_all"),  # 16 devices: the all-to-all moves half the rows
+    (16, 0, "expert_parallel"),  # top_k unknown
+    (4, 2, "all_to_all"),
+])
+def test_auto_picks_the_all_to_all_when_the_expert_axis_exceeds_top_k(expert_axis, top_k, want):
+  assert moe.choose_moe_impl("auto", "gpu", expert_axis, num_experts=128, top_k=top_k) == want
 
 
 def test_auto_is_the_default_and_logged_once(caplog):
@@ -155,7 +168,7 @@ def test_auto_is_the_default_and_logged_once(caplog):
     for _ in range(3):
       assert moe.resolve_moe_impl("auto", 4) == "tiled"
   lines = [r.getMessage() for r in caplog.records if r.name == moe.__name__]
-  assert lines == ["MoE: moe_impl='auto' runs as 'tiled' (backend cpu, expert mesh axis 1, 4 experts)"]
+  assert lines == ["MoE: moe_impl='auto' runs as 'tiled' (backend cpu, expert mesh axis 1, 4 experts, top 0)"]
   assert moe._logged_choice.cache_info().maxsize == 32  # bounded
 
 

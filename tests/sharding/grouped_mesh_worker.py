@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from device_workers import max_err, scale  # noqa: E402
 from hackable_diffusion import sharding as sh  # noqa: E402
-from hackable_diffusion.model import moe, moe_grouped  # noqa: E402
+from hackable_diffusion.model import moe, moe_all_to_all, moe_grouped  # noqa: E402
 
 E, H, I, T, K = 8, 32, 16, 64, 2
 
@@ -54,6 +54,13 @@ def run() -> dict:
     with sh.activation_sharding(mesh):  # each device its own tokens, weights gathered per layer
       got = value_and_grads(lambda x, w, i, g, d, kernel=kernel: moe.on_local_tokens(kernel, x, w, i, (g, d)), *args)
     out[f"{name}/local_tokens"] = {"err": max_err(got, want), "scale": scale(want)}
+  for shape in ((4, 2), (1, 8)):  # all-to-all dispatch: tokens split over fsdp and expert / over expert alone
+    fsdp, expert = shape
+    a2a_mesh = sh.make_mesh(sh.MeshConfig(fsdp=fsdp, expert=expert))
+    with sh.activation_sharding(a2a_mesh):
+      got = value_and_grads(lambda x, w, i, g, d, m=a2a_mesh: moe.expert_parallel_experts(
+          x, w, i, g, d, mesh=m, dispatch="all_to_all"), *args)
+    out[f"all_to_all/fsdp{fsdp}_expert{expert}"] = {"err": max_err(got, want), "scale": scale(want)}
   if "tokamax" in kernels:  # expert parallelism with tokamax's grouped matmul
     moe_grouped.grouped_backend = lambda platform: "tokamax"
     moe_grouped.tokamax_implementations = lambda platform: ("xla",)
@@ -63,7 +70,26 @@ def run() -> dict:
   return out
 
 
+def ragged_exchange_example() -> list[list[int]]:
+  """`moe_all_to_all.ragged_exchange`'s CPU program on the example of `jax.lax.ragged_all_to_all`'s documentation
+  (axis of size 2): each device's result."""
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  per_device = {  # operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+      0: ([1, 2, 2], [0, 0, 0, 0], [0, 1], [1, 2], [0, 0], [1, 1]),
+      1: ([3, 4, 0], [0, 0, 0, 0], [0, 1], [1, 1], [1, 2], [2, 1])}
+  stacked = [jnp.array([per_device[0][i], per_device[1][i]], jnp.int32) for i in range(6)]  # [2, ...] each
+
+  def f(*args):
+    args = [a[0] for a in args]
+    return moe_all_to_all.ragged_exchange(*args, axis="x", native=False)[None]
+
+  spec = jax.sharding.PartitionSpec("x")
+  fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+  placed = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in stacked]
+  return jax.device_get(fn(*placed)).tolist()
+
+
 if __name__ == "__main__":
-  result = {"devices": jax.device_count(), "cases": run()}
+  result = {"devices": jax.device_count(), "cases": run(), "ragged_exchange_example": ragged_exchange_example()}
   with open(sys.argv[1], "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
