@@ -86,7 +86,7 @@ def run_functions() -> dict:
 
 
 def run_model() -> dict:
-  """The model with moe_impl='expert_parallel', parameters in their shards, traced under `activation_sharding`
+  """The model with moe_impl='expert_parallel' / 'all_to_all', parameters in their shards, traced under `activation_sharding`
   == the dense model on one device (logits and parameter gradients)."""
   cfg = get_preset("tiny", num_experts=8, top_k_experts=2)
   rng = np.random.default_rng(0)
@@ -118,11 +118,13 @@ def run_model() -> dict:
 
   ref_logits, ref_grads, _ = logits_and_grads("dense")
   out = {}
-  for name in ("fsdp2_expert4",):  # (expert=8 alone: the function checks above)
-    logits, grads, hlo = logits_and_grads("expert_parallel", mesh_of(MESHES[name]))
-    out[name] = {"logits_err": max_err(logits, ref_logits), "logits_scale": scale(ref_logits),
-                 "grads_err": max_err(grads, ref_grads), "grads_scale": scale(ref_grads),
-                 "reduce_scatter": "reduce-scatter" in hlo}
+  for impl, name in (("expert_parallel", "fsdp2_expert4"), ("all_to_all", "fsdp2_expert4")):
+    logits, grads, hlo = logits_and_grads(impl, mesh_of(MESHES[name]))
+    out[f"{impl}/{name}"] = {
+        "logits_err": max_err(logits, ref_logits), "logits_scale": scale(ref_logits),
+        "grads_err": max_err(grads, ref_grads), "grads_scale": scale(ref_grads),
+        "reduce_scatter": "reduce-scatter" in hlo,
+        "runs_as": moe.resolve_moe_impl(impl, cfg.num_experts, mesh_of(MESHES[name]), top_k=cfg.top_k_experts)}
   return out
 
 

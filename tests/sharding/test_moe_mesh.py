@@ -6,7 +6,7 @@ JSON; the assertions live here:
   `dense_experts` on one device, value and gradients (x, routing weights, gate_up, down), with an expert chosen by
   every token and one by none, and (on `fsdp=2 x expert=4`) a token count the batch axes cannot split (tokens
   replicated: the psum path). The compiled programs of the split case really all-gather and reduce-scatter.
-- The tiny model (8 experts) with `moe_impl='expert_parallel'` on `fsdp=2 x expert=4`, parameters
+- The tiny model (8 experts) with `moe_impl='expert_parallel'` and `'all_to_all'` on `fsdp=2 x expert=4`, parameters
   in their shards, traced under `activation_sharding` == the dense model on one device: logits and every
   parameter gradient.
 - QLoRA (fp8, packed int4 and nvfp4 base) with its quantized values and scales in their shards == one device: loss and
@@ -50,12 +50,13 @@ def test_expert_parallel_function_equals_one_device(results):
     assert c["all_gather"] == c["reduce_scatter"] == ("/T48/" in name), name
 
 
-@pytest.mark.parametrize("mesh", ["fsdp2_expert4"])
-def test_expert_parallel_model_equals_one_device(results, mesh):
-  m = results["model"][mesh]
+@pytest.mark.parametrize("case", ["expert_parallel/fsdp2_expert4", "all_to_all/fsdp2_expert4"])
+def test_expert_parallel_model_equals_one_device(results, case):
+  m = results["model"][case]
   assert close(m["logits_err"], m["logits_scale"]), m
   assert close(m["grads_err"], m["grads_scale"]), m
-  assert m["reduce_scatter"]  # the model really took the expert-parallel path
+  assert m["runs_as"] == case.split("/")[0], m  # the model really took that path
+  assert m["reduce_scatter"], m
 
 
 @pytest.mark.parametrize("mesh", ["data2_fsdp2_tensor2", "fsdp4_tensor2", "data2_expert4"])
