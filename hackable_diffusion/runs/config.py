@@ -8,7 +8,8 @@ starts (before any data is read or any step runs):
 
   model      preset | checkpoint, dtype, overrides (ModelConfig fields for a fresh init)
   tokenizer  path ('train' = a char model trained on the data, saved as workdir/tokenizer.model), model_type
-  data       generator (+ generator_args) | train_path / validation_path, fields, chat_template, lengths
+  data       generator (+ generator_args) | train_path / validation_path, fields, chat_template ('task': the
+             generator task's), lengths
   diffusion  -> `diffusion.loss.LossConfig` (loss_variant, schedule, time_eps, self_conditioning_prob, ...)
   optimizer  -> `OptimizerConfig` (schedule, Adam, clipping; decay_steps 0 or unset = train.steps,
              the schedule spans the run; master_weights: float32 masters of
@@ -43,6 +44,7 @@ from hackable_diffusion.runs.config_files import (CONFIG_FILENAME, CONFIGS_DIR, 
                                                   write_config_json)
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.sharding.mesh import MESH_AXES, MeshConfig
+from hackable_diffusion.tasks import base as task_lib
 
 SECTIONS = ("model", "tokenizer", "data", "diffusion", "optimizer", "train", "eval", "lora", "mesh")
 
@@ -236,6 +238,21 @@ class DataSection:
                         f"template, or be 'tokenizer' (the tokenizer's chat template)")
 
 
+TASK_CHAT_TEMPLATE = "task"  # data.chat_template: the data generator's task's template (`Task.chat_template`)
+
+
+def task_chat_template(data: Mapping[str, Any]) -> str:
+  """The chat template of the task `data['generator']` (built with `generator_args`) for
+  `data.chat_template='task'`; a one-line `ConfigError` without a generator or when its task has none."""
+  generator = data.get("generator") or ""
+  if not generator:
+    raise ConfigError("data.chat_template='task' needs data.generator (the task whose prompt template it is)")
+  template = task_lib.chat_template(task_lib.get_task(generator, dict(data.get("generator_args") or {})))
+  if not template:
+    raise ConfigError(f"data.chat_template='task': task {generator!r} has no chat template")
+  return template
+
+
 # train.train_vision -> the vision modules training keeps unchanged
 VISION_TRAINING = types.MappingProxyType({"none": ("vision_tower", "embed_vision"), "projector": ("vision_tower",),
                                           "all": ()})
@@ -425,6 +442,8 @@ class ExperimentConfig:
     optimizer = dict(sec["optimizer"])
     if optimizer.get("decay_steps", 0) == 0:  # 0 or unset: the schedule spans the run
       optimizer["decay_steps"] = train.steps
+    if sec["data"].get("chat_template") == TASK_CHAT_TEMPLATE:
+      sec["data"]["chat_template"] = task_chat_template(sec["data"])
     return cls(
         model=_build(ModelSection, "model", sec["model"]),
         tokenizer=_build(TokenizerSection, "tokenizer", sec["tokenizer"]),

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from hackable_diffusion import lora as lora_lib
 from hackable_diffusion import sharding
+from hackable_diffusion.data.chat import ChatTemplate, chat_template_kind
 from hackable_diffusion.data.sft import SFTDataConfig, format_prompt, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, train_tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
@@ -89,9 +90,15 @@ def _training_texts(cfg: ExperimentConfig, path: str) -> list[str]:
                          messages_field=d.messages_field)
   if not records:
     raise DataError(f"{path}: no records to train a tokenizer on")
+  # a jinja template's output (e.g. Sudoku's cell characters) is what the model reads: train on it, as rendered
+  # before the tokenizer exists (special-token variables empty)
+  template = ChatTemplate(source=d.chat_template, origin="data.chat_template") if chat_template_kind(
+      d.chat_template or None) == "jinja" else None
   texts = []
   for r in records:
-    texts += [format_prompt(d.chat_template or None, r.prompt), r.completion]
+    prompt = format_prompt(d.chat_template or None, r.prompt) if template is None else template.render(
+        [{"role": "user", "content": r.prompt}], add_generation_prompt=True, where=f"{path}:{r.source[1]}")
+    texts += [prompt, r.completion]
   return texts
 
 
@@ -108,6 +115,8 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tok
     if source == "train":
       tok = train_tokenizer(_training_texts(cfg, train_path), model_type=cfg.tokenizer.model_type,
                             vocab_size=cfg.tokenizer.vocab_size or None)
+      if chat_template_kind(cfg.data.chat_template or None) == "jinja":  # saved with it: exports carry it
+        tok = tok.with_chat_template(cfg.data.chat_template, "data.chat_template")
     elif source == "checkpoint":
       if not cfg.model.checkpoint:
         raise ConfigError("tokenizer.path='checkpoint' needs model.checkpoint (a HF directory or run workdir)")

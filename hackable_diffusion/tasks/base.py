@@ -134,6 +134,11 @@ class BaseTask:
     """The typed prompt as the task's data writes it: as is."""
     return text
 
+  def chat_template(self) -> str | None:
+    """The jinja template that turns the data's prompt into what the model reads (`data.chat_template='task'`):
+    none."""
+    return None
+
   def prompt_complete(self, text: str) -> bool:
     """Whether an interactive prompt is whole (False: read another line): one line is."""
     return True
@@ -160,6 +165,12 @@ def render(task: Task | None, completion: str, record: EvalRecord) -> str:
   """`task.render(completion, record)` (the completion without a task or the hook)."""
   hook = getattr(task, "render", None)
   return hook(completion, record) if callable(hook) else completion
+
+
+def chat_template(task: Task | None) -> str | None:
+  """`task.chat_template()` (None without a task or the hook)."""
+  hook = getattr(task, "chat_template", None)
+  return hook() if callable(hook) else None
 
 
 def checker(task: Task | None, tokenizer: Any) -> Checker | None:

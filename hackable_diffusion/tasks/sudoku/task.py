@@ -20,6 +20,7 @@ import numpy as np
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.tasks.base import BaseTask, EvalRecord, check_lengths, data_spec_matches, write_data_spec
 from hackable_diffusion.tasks.sudoku import dataset, formatting, metrics, plots, solver, structure
+from hackable_diffusion.tasks.sudoku.cell_prompt import CELL_TEMPLATE
 from hackable_diffusion.tasks.sudoku.checker import SudokuChecker
 
 DIGITS = "123456789"
@@ -110,11 +111,11 @@ class SudokuTask(BaseTask):
     pinned = np.zeros((len(records), num_tokens), bool)
     if not self.pin_givens:
       return noise, pinned
-    digit_ids = np.asarray(tokenizer.token_ids_for("0" + DIGITS))
+    digit_ids = np.asarray(tokenizer.token_ids_for(DIGITS))  # [9]: the ids of 1..9 ('0' need not be a token)
     for i, record in enumerate(records):
       grid = formatting.parse_grid(record.prompt)
       given = grid > 0
-      noise[i, :81] = np.where(given, digit_ids[grid], noise[i, :81])
+      noise[i, :81] = np.where(given, digit_ids[np.maximum(grid, 1) - 1], noise[i, :81])
       pinned[i, :81] = given
     return noise, pinned
 
@@ -139,6 +140,11 @@ class SudokuTask(BaseTask):
                         "cells in row order, a digit 1-9 or a blank ('.', '0' or '_'), separators (whitespace, '|', "
                         "'-', '+') ignored") from None
     return formatting.puzzle_to_prompt(grid)
+
+  def chat_template(self) -> str:
+    """The cell-identity prompt (`cell_prompt.CELL_TEMPLATE`): each cell as one character naming the cell and its
+    content, which a standard DiffusionGemma learns from (configs/sudoku.py: `data.chat_template='task'`)."""
+    return CELL_TEMPLATE
 
   def prompt_complete(self, text: str) -> bool:
     """A pasted grid spans lines: the prompt is whole once it holds 81 cells (`formatting.count_cells`)."""
