@@ -49,11 +49,11 @@ def test_config_builds(path, tmp_path):
 
   if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
     # A fine-tuning config whose base run is not on this machine: stand in a base workdir (config.json of
-    # configs/sudoku.py, or for a non-Sudoku config sudoku_pure.py's, which has no Sudoku attention structure, + an
+    # configs/sudoku.py (the standard architecture, so it stands in for a non-Sudoku config too) + an
     # empty checkpoints/ dir), which is all building the model's shapes needs.
     base = tmp_path / "base_run"
     (base / "checkpoints").mkdir(parents=True)
-    stand_in = "sudoku.py" if raw.data.generator == "sudoku" else "sudoku_pure.py"
+    stand_in = "sudoku.py"
     config_lib.write_config_json(config_lib.load_config_file(stand_in), str(base))
     raw.model.checkpoint = str(base)
     cfg = config_lib.ExperimentConfig.from_config_dict(raw)
@@ -107,9 +107,14 @@ def test_configs_derive_from_the_base(monkeypatch):
 def test_sudoku_main_config_key_settings():
   raw = config_lib.load_config_file("sudoku.py")
   assert raw.model.preset == "sudoku"
-  assert raw.model.overrides.num_attention_heads == 6
-  assert raw.model.overrides.attention_structure == "hackable_diffusion.tasks.sudoku.structure:own_cell_peer_mask"
+  assert "num_attention_heads" not in raw.model.overrides  # the preset's heads: the standard architecture
+  assert raw.model.overrides.attention_structure is None
+  assert raw.model.overrides.sliding_rope.theta == raw.model.overrides.full_rope.theta == 300.0
+  assert raw.data.chat_template == "task"  # the cell-identity prompt
   assert raw.model.overrides.canvas_length == 81
+  structured = config_lib.load_config_file("sudoku_structured.py")
+  assert structured.model.overrides.num_attention_heads == 6
+  assert structured.model.overrides.attention_structure == "hackable_diffusion.tasks.sudoku.structure:own_cell_peer_mask"
   assert raw.data.generator == "sudoku" and raw.data.pinned_field == "pinned"
   assert raw.data.generator_args.num_train == 30_000
   assert raw.train.steps == 2200 and raw.train.batch_size == 32
@@ -130,9 +135,9 @@ def test_bad_ablation_task_argument_fails_before_training(tmp_path):
 
 
 def test_a_prompt_structure_refuses_a_prompt_width_it_does_not_read():
-  # The Sudoku default's own-cell head reads prompt slots 0-80 as the grid: a longer (left-padded) prompt would
-  # shift the grid out of place silently, so the data config refuses it in one line.
-  raw = config_lib.load_config_file("sudoku.py")
+  # The structured Sudoku config's own-cell head reads prompt slots 0-80 as the grid: a longer (left-padded) prompt
+  # would shift the grid out of place silently, so the data config refuses it in one line.
+  raw = config_lib.load_config_file("sudoku_structured.py")
   raw.data.max_prompt_length = 82
   cfg = config_lib.ExperimentConfig.from_config_dict(raw)
   model_config = run_lib.build_model_config(cfg, _StandInTokenizer())

@@ -3,7 +3,7 @@
   python -m hackable_diffusion.train --config=configs/sudoku_gpu.py --workdir=runs/sudoku_gpu
   python -m hackable_diffusion.train --config=configs/sudoku_gpu.py --config.mesh.fsdp=8   # 8 GPUs, sharded
 
-configs/sudoku.py's recipe without its own-cell head (peer attention structure, pinned givens), with hard
+configs/sudoku_structured.py's recipe without its own-cell head (peer attention structure, pinned givens), with hard
 puzzles in the data: hidden 256, 8 layers, 8 experts top-2 (~10M parameters), 200k puzzles, 20k steps of 256.
 For scaling the Sudoku recipe past a CPU's budget; see docs/sudoku.md.
 """

@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = base.get_config()
   config.model.update(preset="", checkpoint=BASE)  # the base run's model config and weights
   config.tokenizer.path = BASE + "/tokenizer.model"  # the base run's tokenizer (ids must match the base model)
+  config.data.chat_template = "task"  # the base's prompt: the task's cell-identity characters (configs/sudoku.py)
   mix = {"no_pins": (0.5, 0.5, 0.0), "hard": (0.0, 0.0, 1.0)}[TARGET]  # easy, medium, hard weights
   base.sudoku_task(config, num_train=5_000, mix=mix)
   config.data.pinned_field = "pinned" if PIN_GIVENS else ""

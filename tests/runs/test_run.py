@@ -81,11 +81,11 @@ def test_bad_model_dtype_is_one_line():
     _config("/some/checkpoint", **{"model.dtype": "int8"})
 
 
-def _sudoku_data_config(data_overrides=None, **generator_args):
+def _sudoku_data_config(data_overrides=None, config_file="sudoku.py", **generator_args):
   args = {"num_train": 6, "num_validation": 2, "num_test": 2, "workers": 1, **generator_args}
   overrides = {"data.generator": "sudoku"} | {f"data.generator_args.{k}": v for k, v in args.items()}
   overrides |= {f"data.{k}": v for k, v in (data_overrides or {}).items()}
-  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("sudoku.py", overrides))
+  return config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file(config_file, overrides))
 
 
 @pytest.mark.parametrize("progress", [False, True])
@@ -127,7 +127,7 @@ def test_a_given_path_replaces_the_generated_split(tmp_path):
 
 
 def test_a_structured_model_needs_prompts_as_wide_as_its_structure(tmp_path):
-  """The Sudoku config's own-cell structure reads the 81 prompt slots: a puzzle written with '.' blanks (unknown to
+  """The structured Sudoku config's own-cell structure reads the 81 prompt slots: a puzzle written with '.' blanks (unknown to
   the digit tokenizer; a run of them becomes one unk token) is a one-line error naming the file and line, not a
   prompt left-padded out of place (or an error deep in the sampler); an 81-digit puzzle loads."""
   digits = ("1234567890" * 9)[:81]
@@ -135,7 +135,7 @@ def test_a_structured_model_needs_prompts_as_wide_as_its_structure(tmp_path):
   path = tmp_path / "mine.jsonl"
   path.write_text(json.dumps(line | {"prompt": digits}) + "\n" + json.dumps(line | {"prompt": "." * 9 + digits[9:]})
                   + "\n")
-  cfg = _sudoku_data_config()
+  cfg = _sudoku_data_config(config_file="sudoku_structured.py")
   model_config = run_lib.build_model_config(cfg, _StandInTokenizer())
   data_cfg = run_lib.sft_data_config(cfg, model_config, str(path), batch_size=1, shuffle=False, seed=0)
   assert data_cfg.min_prompt_length == data_cfg.max_prompt_length == 81

@@ -26,7 +26,7 @@ def _run_config(name: str, **overrides):
 
 def test_sample_refuses_prompts_training_would_refuse(capsys):
   tok = CharTokenizer()
-  sudoku = _run_config("sudoku.py")
+  sudoku = _run_config("sudoku_structured.py")  # the 81-digit prompt (sudoku.py's template: tests/tasks/sudoku)
   puzzle = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
   assert len(puzzle) == 81
   assert sampling.encode_prompt(tok, puzzle, sudoku) == tok.encode(puzzle)
