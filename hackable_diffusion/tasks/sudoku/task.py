@@ -1,4 +1,5 @@
-"""Sudoku as a task: generated data, digit-only sampling, pinned givens, solved-rate metrics, peer attention.
+"""Sudoku as a task: generated data, the cell-identity prompt, digit-only sampling, pinned givens, solved-rate
+metrics, peer attention.
 
 Built in as `eval.task='sudoku'` / `data.generator='sudoku'` (see `hackable_diffusion.tasks.base.get_task`); its
 attention structure is `SudokuTask().attention_structure()` (`structure.PEER_MASK`) for
