@@ -17,9 +17,10 @@ random weights, resets the process's peak RSS (`/proc/self/clear_refs`), exports
 Reported per mode: the model's bytes (base + adapters), one layer's bytes, the RSS before exporting (interpreter,
 libraries, the model and what building it left), the peak during the export, the export's extra memory
 (peak - before) as a fraction of the model and in layers, and `1 + extra / model`: the host peak relative to the
-model for a process that holds just the model. The extra memory is per layer (one layer sliced, merged, converted),
-so the 26B figure is its model plus the same number of its (larger) layers. The machine's other processes do not
-count (RSS is per process); a loaded machine only slows the run.
+model for a process that holds just the model. The "implied 26B" column scales the extra memory by the 26B's
+(larger) layers: an upper bound, since the extra does not grow with the layers (compare `--layers=12` and
+`--layers=30 --hidden=768`). The machine's other processes do not count (RSS is per process); a loaded machine only
+slows the run.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def main() -> None:
     rows.append(row)
     print(json.dumps(row), flush=True)
   print(f"\n26B preset: {big:.1f} GiB in bf16, {big_layer:.2f} GiB a layer, {big_adapters:.2f} GiB of these "
-        "adapters. Implied: the model held plus the export's extra memory in layers of the 26B model; for peft the "
+        "adapters. Implied (an upper bound): the model held plus the export's extra memory in 26B layers; for peft the "
         "adapters held plus the extra memory in adapters' bytes.")
   print("\n| mode | model MiB | layer MiB | RSS before MiB | peak RSS MiB | extra / model | extra in layers | "
         "1 + extra / model | s | implied 26B host peak |")
