@@ -22,6 +22,7 @@ from hackable_diffusion.tasks.sudoku import solver
 CELL_BASE = 0xE000  # the first character of Unicode's private-use area
 BLANKS = "0._"  # as formatting.BLANKS: what a blank may be written as
 DIGITS = "123456789"
+SEPARATORS = "|-+"  # the box separators formatting.render_grid draws (whitespace is skipped too)
 
 
 def cell_char(cell: int, value: int) -> str:
@@ -39,15 +40,23 @@ def cell_prompt(grid: np.ndarray) -> str:
 
 def _template() -> str:
   alphabet = "".join(chr(CELL_BASE + k) for k in range(10 * solver.NUM_CELLS))
-  # the user turn's digits and blanks in order, each as its cell's character; whitespace and separators skipped
+  # the user turn's digits and blanks in order, each as its cell's character; whitespace and separators skipped;
+  # any other character, or a count other than 81, raises (one line, naming the record where the data is read)
   return (
       "{%- set cells = '" + alphabet + "' -%}"
       "{%- set ns = namespace(cell=0) -%}"
       "{%- for ch in messages[-1]['content'] -%}"
-      "{%- if ch in '" + DIGITS + "' -%}{{ cells[ns.cell * 10 + (ch | int)] }}{%- set ns.cell = ns.cell + 1 -%}"
+      "{%- if ns.cell >= 81 and (ch in '" + DIGITS + BLANKS + "') -%}"
+      "{{ raise_exception('a Sudoku puzzle has 81 cells, this one more') }}"
+      "{%- elif ch in '" + DIGITS + "' -%}{{ cells[ns.cell * 10 + (ch | int)] }}{%- set ns.cell = ns.cell + 1 -%}"
       "{%- elif ch in '" + BLANKS + "' -%}{{ cells[ns.cell * 10] }}{%- set ns.cell = ns.cell + 1 -%}"
+      "{%- elif not (ch.isspace() or ch in '" + SEPARATORS + "') -%}"
+      "{{ raise_exception('character ' ~ (ch | tojson) ~ ' is not a digit 1-9, a blank (0 . _) or a separator') }}"
       "{%- endif -%}"
       "{%- endfor -%}"
+      "{%- if ns.cell != 81 -%}"
+      "{{ raise_exception('a Sudoku puzzle has 81 cells, this one ' ~ ns.cell) }}"
+      "{%- endif -%}"
   )
 
 

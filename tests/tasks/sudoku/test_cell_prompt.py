@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hackable_diffusion.errors import ConfigError
+from hackable_diffusion.errors import ConfigError, DataError
 from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.runs.sampling import encode_prompt
@@ -71,3 +71,21 @@ def test_the_task_template_is_the_sudoku_tasks_and_needs_a_task_that_has_one():
     config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("sudoku.py", {"data.generator": ""}))
   with pytest.raises(ConfigError, match="task 'digits' has no chat template"):
     config_lib.ExperimentConfig.from_config_dict(config_lib.load_config_file("tiny.py", {"data.chat_template": "task"}))
+
+
+@pytest.mark.parametrize("bad, why", [(PUZZLE[:80], "81 cells, this one 80"), (PUZZLE + "1", "81 cells, this one more"),
+                                      (PUZZLE[:40] + "x" + PUZZLE[41:], 'character "x" is not a digit')])
+def test_a_puzzle_the_template_cannot_read_is_one_line_naming_the_record(bad, why, tmp_path):
+  from transformers.utils.chat_template_utils import render_jinja_template
+
+  with pytest.raises(Exception, match=why):  # transformers' renderer: jinja's TemplateError
+    render_jinja_template([[{"role": "user", "content": bad}]], chat_template=CELL_TEMPLATE)
+  # training data: the record's file and line, one line, before any step
+  data = tmp_path / "train.jsonl"
+  line = {"completion": SOLUTION, "pinned": "0" * 81}
+  data.write_text("".join(json.dumps(line | {"prompt": p}) + "\n" for p in (PUZZLE, bad)), encoding="utf-8")
+  cfg = config_lib.ExperimentConfig.from_config_dict(
+      config_lib.load_config_file("sudoku.py", {"data.train_path": str(data)}))
+  with pytest.raises(DataError, match=rf"^{data}:2: the chat template \(data.chat_template\) failed: .*{why}") as e:
+    run_lib.build_tokenizer(cfg, str(tmp_path), str(data))
+  assert "\n" not in str(e.value)
