@@ -74,11 +74,16 @@ def make_processor(seed, pinned, digit_ids):
   from transformers import LogitsProcessor
 
   class PinnedDigits(LogitsProcessor):
+    def __init__(self):
+      self.masks = None  # (allowed [V], one-hot seed [B, C, V]), built at the first step (V from the logits)
+
     def __call__(self, input_ids, scores):  # scores [B, C, V]
-      allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
-      allowed[torch.tensor(digit_ids)] = True
+      if self.masks is None:
+        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        allowed[torch.tensor(digit_ids)] = True
+        self.masks = allowed, torch.nn.functional.one_hot(seed, scores.shape[-1]).bool()
+      allowed, one_hot = self.masks
       scores = torch.where(allowed, scores, torch.full_like(scores, DISALLOWED))
-      one_hot = torch.nn.functional.one_hot(seed, scores.shape[-1]).bool()  # [B, C, V]
       certain = torch.where(one_hot, torch.zeros_like(scores), torch.full_like(scores, DISALLOWED))
       return torch.where(pinned[..., None], certain, scores)
 
