@@ -8,7 +8,7 @@
 From a workdir: the checkpoint of `--step` (default: the latest) of a run of `hackable_diffusion.train`, with the
 run's tokenizer and its evaluation sampler settings as generation defaults. `--format=peft` of a workdir reads the
 adapters alone (`runs.run.load_run_adapters`): the base model is never loaded. `--format=merged` folds the adapters
-in one layer at a time as it writes (the model plus one layer in memory, `interop.hf_write.save_merged`).
+in as it writes (the model plus one merged tensor on the host, one layer on a device: `interop.hf_write.save_merged`).
 From `--checkpoint`: a HF DiffusionGemma directory, optionally with a PEFT adapter on top (e.g. to merge an
 adapter trained elsewhere).
 

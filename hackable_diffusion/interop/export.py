@@ -3,10 +3,10 @@
 - `export_peft`: `adapter_model.safetensors` + `adapter_config.json` for `PeftModel.from_pretrained(base, dir)`
   on transformers' `DiffusionGemmaForBlockDiffusion` (see `hackable_diffusion.interop.peft`).
 - `export_merged`: adapters folded into the weights (`hackable_diffusion.lora.merge`, each update added once;
-  PEFT's own `merge_and_unload()` adds it once per mode on this model, see docs/lora.md) one layer at a time as
-  they are written (`interop.hf_write.save_merged`: the model as it is plus one layer in memory), plus a
-  `generation_config.json` that transformers reads into its
-  `DiffusionGemmaGenerationConfig` (our sampling defaults) and the tokenizer. This is what vLLM serves (its
+  PEFT's own `merge_and_unload()` adds it once per mode on this model, see docs/lora.md) as they are written
+  (`interop.hf_write.save_merged`: the model as it is plus one merged tensor on the host, one layer on a device),
+  plus a `generation_config.json` that transformers reads into its `DiffusionGemmaGenerationConfig` (our sampling
+  defaults) and the tokenizer. This is what vLLM serves (its
   DiffusionGemma has no LoRA support).
 
 Both refuse (one-line `ConfigError`, before anything is written) an output directory that is a file, a training
@@ -174,8 +174,8 @@ def export_merged(model: nnx.Module, out_dir: str, dtype: str = "bfloat16",
                   overwrite: bool = False, quantize: str | None = None) -> dict[str, Any]:
   """Writes a full HF checkpoint (`config.json`, safetensors, `generation_config.json`, tokenizer).
 
-  Adapters, if any, are folded in layer by layer as the layers are written (`hf_write.save_merged`: the model as it
-  is plus one merged layer in memory, the same files as `save_pretrained(lora.merge(model))`). `dtype`: 'bfloat16'
+  Adapters, if any, are folded in as the tensors are written (`hf_write.save_merged`: the model as it is plus one
+  merged tensor on the host, one layer on a device; the same files as `save_pretrained(lora.merge(model))`). `dtype`: 'bfloat16'
   (default, serving) or 'float32'.
   `quantize`: 'fp8' / 'nvfp4' (attention, dense MLP and experts in compressed-tensors FP8 / NVFP4, the layout vLLM
   loads) or 'fp8-linear' / 'nvfp4-linear' (experts dense: what transformers loads); `interop.quantized_export`.

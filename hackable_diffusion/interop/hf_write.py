@@ -8,10 +8,10 @@ source checkpoint) so that `from_pretrained` reports no missing or unexpected ke
 file + rename).
 
 Writing streams: the names, shapes and dtypes of every stored tensor are worked out first from the model's shapes
-alone (`checkpoint_specs`), then the model is merged, cast and quantized one layer at a time
+alone (`checkpoint_specs`), then the model is merged, cast and quantized a part at a time
 (`lora.merge.merged_parts`) and each tensor written at its place in its file (`safetensors_io.ShardedWriter`).
-Peak memory is the model as it is plus one layer's merged and converted tensors; no merged copy of the model and no
-shard is ever held whole. Extra tensors (`extra_tensors`, e.g. a vision tower) are appended after the text model.
+Peak memory is the model as it is plus one merged tensor on the host (one layer on a device, or for NVFP4, whose
+fused matrices share a scale); no merged copy of the model and no shard is ever held whole. Extra tensors (`extra_tensors`, e.g. a vision tower) are appended after the text model.
 `save_merged` folds LoRA adapters (and a QLoRA base) in as it writes; `save_pretrained` refuses them.
 """
 
@@ -72,6 +72,8 @@ def _vision_stub(hidden: int, vision: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _to_numpy(x: jax.Array | np.ndarray, dtype: str) -> np.ndarray:
+  if isinstance(x, np.ndarray):  # a host array: cast by numpy (the same rounding), no copy when the dtype matches
+    return x.astype(jnp.dtype(dtype), copy=False)
   return np.asarray(jnp.asarray(x, dtype=jnp.dtype(dtype)))
 
 
@@ -98,7 +100,7 @@ def checkpoint_specs(model: nnx.Module, dtype: str, qscheme: quantized_export.Sc
   return specs
 
 
-def _part_tensors(part: list[tuple[VariablePath, jax.Array]], dtype: str,
+def _part_tensors(part: list[tuple[VariablePath, jax.Array | np.ndarray]], dtype: str,
                   qscheme: quantized_export.Scheme | None) -> Iterator[tuple[str, np.ndarray]]:
   """The stored tensors of one merged part (a layer): HF names, `[out, in]` kernels, cast or quantized."""
   group_amax: dict[str, float] = {}  # max |w| of each matrix vLLM fuses (NVFP4's shared global scales; per layer)
@@ -118,7 +120,8 @@ def _part_tensors(part: list[tuple[VariablePath, jax.Array]], dtype: str,
 
 
 def _model_tensors(model: nnx.Module, dtype: str, qscheme: quantized_export.Scheme | None) -> Tensors:
-  for part in merged_parts(model):
+  nvfp4 = qscheme is not None and qscheme.kind == "nvfp4"  # its fused matrices share a scale: a layer at a time
+  for part in merged_parts(model, whole_layers=nvfp4):
     yield from _part_tensors(part, dtype, qscheme)
     del part
 
@@ -159,7 +162,7 @@ def save_pretrained(model: DiffusionGemma, path: str, *, dtype: str | None = Non
   `(name, array)` tensors (or a mapping) written after the text model in `dtype` (held in memory while writing:
   meant for the vision tower); when one of them is a vision tensor they are the tower, and neither the stub nor
   `vision_source`'s tensors are written. A model with its own vision tower (`config.vision`) saves it, and refuses
-  `vision_source`. Streams one layer at a time (see the module doc). Refuses a model with
+  `vision_source`. Streams (see the module doc). Refuses a model with
   adapters or a quantized base (`save_merged` folds them in) and one whose attention structure transformers
   cannot run.
   """
@@ -177,7 +180,7 @@ def save_merged(model: nnx.Module, path: str, *, dtype: str | None = None, max_s
                 vision_source: str | None = None, extra_config: dict[str, Any] | None = None,
                 quantize: str | None = None, extra_tensors: Mapping[str, Any] | Tensors | None = None) -> None:
   """`save_pretrained` of `lora.merge(model)` without ever holding the merged model: adapters are folded in (and a
-  QLoRA base dequantized) one layer at a time as the layers are written. Same files, byte for byte."""
+  QLoRA base dequantized) as the tensors are written (`lora.merge.merged_parts`). Same files, byte for byte."""
   config = model.config
   if config.attention_structure is not None:
     raise CheckpointError(

@@ -9,9 +9,9 @@ A quantized base (QLoRA, `lora.qlora`) is dequantized in float32 first (values t
 and the sum cast to the dense parameter dtype; quantized modules without adapters are dequantized too, so the
 result is always a dense model.
 
-`merged_parts` yields the same merged variables one layer at a time (each layer sliced out of a stacked model,
-merged, handed over and dropped), so that a writer holds the model as it is plus one merged layer, never a merged
-copy of the whole model.
+`merged_parts` yields the same merged variables a part at a time, so that a writer never holds a merged copy of
+the whole model: on the host one tensor at a time (the base read in place), elsewhere one layer at a time (each layer
+sliced out of a stacked model, merged, handed over and dropped).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hackable_diffusion.lora import qlora
-from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRAExperts, LoRALinear, lora_modules
+from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRADropoutKey, LoRAExperts, LoRALinear, lora_modules
 from hackable_diffusion.model import moe, scan
 
 
@@ -64,6 +65,11 @@ def _plain_experts(src: LoRAExperts) -> moe.Experts:
 # of this size are allocated and returned to the system one by one (glibc's mmap threshold tops out at 32 MiB),
 # while many small ones fragment the heap and raise the peak.
 MERGE_CHUNK_BYTES = 32 << 20
+
+
+# The host merge's float32 chunk (a few such temporaries exist beside the merged tensor): small, since numpy's
+# temporaries come and go without the device allocator's pooling.
+HOST_CHUNK_BYTES = 2 << 20
 
 
 def _merged_experts(src: LoRAExperts, name: str, value: jax.Array) -> jax.Array:
@@ -129,21 +135,74 @@ def layer_module(model: nnx.Module, i: int, *, adapters_only: bool = False) -> n
 VariablePath = tuple[Any, ...]
 
 
-def merged_parts(model: nnx.Module) -> Iterator[list[tuple[VariablePath, jax.Array]]]:
-  """The variables of `merge(model)` (same paths, values and order), one part at a time: each layer, and each
-  other top-level module or variable; an unrolled layer's paths start `('layers', i)` whatever the model's form.
+def on_host(model: nnx.Module) -> bool:
+  """Every array of `model` lives whole on one CPU device of this process: numpy reads it without a copy."""
+  for _, v in nnx.to_flat_state(nnx.state(model)):
+    for a in jax.tree.leaves(v.get_value()):
+      if isinstance(a, jax.Array) and (len(a.devices()) != 1 or next(iter(a.devices())).platform != "cpu"):
+        return False
+  return True
 
-  Merging happens on the device the weights are on; a part's arrays are released once the caller drops them, so
-  peak memory is the model as it is plus one merged layer.
+
+def _host_layer(model: nnx.Module, i: int) -> Iterator[tuple[VariablePath, np.ndarray]]:
+  """Layer `i` of `merge(model)` for a dense base on the host, variable by variable: each base array is read in
+  place (a numpy view of the stacked array's slice), the update computed by the adapter module's own `delta` and
+  added in float32 (a few experts at a time), then cast back: the same float32 sums and casts as `merge`, so the
+  same values, while only one merged tensor exists at a time."""
+  layers = model.layers
+  if scan.is_scanned(model):
+    block, k = layers.blocks[i % layers.period], i // layers.period
+  else:
+    block, k = layers[i], None
+  owners = dict(lora_modules(layer_module(model, i, adapters_only=True)))
+  for path, var in nnx.to_flat_state(nnx.state(block)):
+    if isinstance(var, (nnx.LoRAParam, LoRADropoutKey)):
+      continue
+    host = np.asarray(var.get_value())
+    base = host if k is None else host[k]
+    owner, name = owners.get(tuple(path[:-1])), path[-1]
+    if isinstance(owner, LoRALinear) and name == "kernel":
+      base = (base.astype(np.float32) + np.asarray(owner.delta())).astype(base.dtype)
+    elif isinstance(owner, LoRAExperts) and name in owner.targets:
+      base = _host_merged_experts(owner, name, base)
+    yield ("layers", i, *path), base
+
+
+def _host_merged_experts(src: LoRAExperts, name: str, value: np.ndarray) -> np.ndarray:
+  """`_merged_experts` with the base read in place on the host: float32 temporaries near `HOST_CHUNK_BYTES`."""
+  e = value.shape[0]
+  step = max(1, min(e, HOST_CHUNK_BYTES // max(1, 4 * (value.size // max(e, 1)))))
+  out = np.empty_like(value)
+  for i in range(0, e, step):
+    chunk = value[i:i + step].astype(np.float32)
+    out[i:i + step] = np.add(chunk, np.asarray(src.delta(name, slice(i, i + step))), out=chunk)
+  return out
+
+
+def merged_parts(model: nnx.Module, *, whole_layers: bool = False
+                 ) -> Iterator[list[tuple[VariablePath, jax.Array | np.ndarray]]]:
+  """The variables of `merge(model)` (same paths and values), one part at a time; an unrolled layer's paths start
+  `('layers', i)` whatever the model's form. A part's arrays are released once the caller drops them.
+
+  A dense (not quantized) base whose arrays live on this process's CPU is merged on the host one tensor at a time
+  (`_host_layer`: each part is one numpy array, or one layer if `whole_layers`): peak memory is the model as it is
+  plus one merged tensor. Otherwise (a device, a mesh, a quantized base) each layer is merged where its weights are,
+  as a module: the model plus one merged layer. Other top-level modules and variables are a part each.
   """
   tops: list[Any] = []
   for path, _ in nnx.to_flat_state(nnx.state(model)):
     if path[0] not in tops:
       tops.append(path[0])
+  host = qlora.base_quantization(model) == "none" and on_host(model)
   for top in tops:
     if top == "layers":
       for i in range(len(model.layers)):  # nothing of layer i is referenced here while layer i + 1 is merged
-        yield _variables(("layers", i), _merged_module(layer_module(model, i)))
+        if not host:
+          yield _variables(("layers", i), _merged_module(layer_module(model, i)))
+        elif whole_layers:
+          yield list(_host_layer(model, i))
+        else:
+          yield from ([item] for item in _host_layer(model, i))
       continue
     node = getattr(model, top)
     if isinstance(node, nnx.Variable):
@@ -170,4 +229,5 @@ def adapter_num_params(model: nnx.Module) -> int:
   return sum(int(v.size) for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
 
 
-__all__ = ["MERGE_CHUNK_BYTES", "VariablePath", "adapter_num_params", "layer_module", "merge", "merged_parts", "split"]
+__all__ = ["HOST_CHUNK_BYTES", "MERGE_CHUNK_BYTES", "VariablePath", "adapter_num_params", "layer_module", "merge",
+           "merged_parts", "on_host", "split"]

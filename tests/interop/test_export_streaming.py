@@ -116,6 +116,7 @@ def test_streamed_export_equals_whole_model_export_byte_for_byte(models, tmp_pat
   ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(merge_lib, "MERGE_CHUNK_BYTES", 1)  # the experts merged one at a time (the reference: at once)
+    patch.setattr(merge_lib, "HOST_CHUNK_BYTES", 1)
     hf_write.save_merged(model, ours, dtype=dtype, quantize=quantize, max_shard_size=max_shard_size,
                          vision_source=vision)
   reference_export(model, ref, dtype=dtype, quantize=quantize, max_shard_size=max_shard_size, vision_source=vision)
@@ -128,6 +129,23 @@ def test_streamed_export_equals_whole_model_export_byte_for_byte(models, tmp_pat
       assert json.loads(a) == json.loads(b)
     else:
       assert a == b, fname
+
+
+def test_on_the_host_a_dense_base_is_merged_a_tensor_at_a_time_and_read_in_place(models):
+  by_name, _ = models
+  stacked = by_name["stacked"]
+  parts = list(merge_lib.merged_parts(stacked))
+  layer_parts = [p for p in parts if p[0][0][0] == "layers"]
+  assert layer_parts and all(len(p) == 1 and isinstance(p[0][1], np.ndarray) for p in layer_parts)
+  expected = {path: v[...] for path, v in nnx.to_flat_state(nnx.state(lora.merge(stacked)))}
+  assert sorted(path for p in parts for path, _ in p) == sorted(expected)
+  (path, norm), = next(p for p in layer_parts if p[0][0][-2:] == ("input_layernorm", "weight"))
+  assert np.shares_memory(norm, np.asarray(stacked.layers.blocks[path[1] % stacked.layers.period]
+                                           .input_layernorm.weight[...]))  # a view of the stacked base, no copy
+  wholes = list(merge_lib.merged_parts(stacked, whole_layers=True))
+  assert sum(p[0][0][0] == "layers" for p in wholes) == stacked.config.num_hidden_layers
+  qparts = [p for p in merge_lib.merged_parts(by_name["qlora"]) if p[0][0][0] == "layers"]  # a quantized base:
+  assert len(qparts) == 4 and all(isinstance(v, jax.Array) for p in qparts for _, v in p)  # a layer at a time
 
 
 def test_save_pretrained_refuses_adapters_and_a_quantized_base(models, tmp_path):
