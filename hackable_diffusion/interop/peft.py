@@ -6,11 +6,18 @@ adapter name `default` when saving). transformers' DiffusionGemma has separate e
 and PEFT wraps each of them; our model has one set of weights, so one adapter is written under both paths (the
 decoder-only self-conditioning MLP once), and reading requires the two copies to be identical.
 
-`adapter_config.json.target_modules` is one regex over exactly the adapted module names of both modes (PEFT
-`re.fullmatch`es a string against module names); a plain list of suffixes would also match the vision tower,
-whose `Gemma4ClippableLinear` PEFT cannot wrap. Expert tensors use `target_parameters` (full parameter names):
-PEFT wraps the 3-D `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` with `lora.ParamWrapper`, treating
-`[E, out, in]` as `E` linears with `lora_A.weight [r*E, in]` (rows expert-major: `A[e*r + k]`) and
+The vision tower exists once (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`), so its adapters are
+written once. Its projections are `Gemma4ClippableLinear`s, which PEFT cannot wrap, but it wraps their inner
+`nn.Linear`: our `vision_tower.encoder.layers.N.self_attn.q_proj` is PEFT's
+`model.encoder.vision_tower.encoder.layers.N.self_attn.q_proj.linear` (the update inside the clamps, as
+`lora.adapters.LoRAClippableLinear` computes it); `patch_embedder.input_proj` and
+`embed_vision.embedding_projection` are plain `nn.Linear`s.
+
+`adapter_config.json.target_modules` is one regex over exactly the adapted module names (PEFT `re.fullmatch`es a
+string against module names); a plain list of suffixes would also match the vision tower's `Gemma4ClippableLinear`s
+themselves. Expert tensors use `target_parameters` (full parameter names): PEFT wraps the 3-D
+`gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` with `lora.ParamWrapper`, treating `[E, out, in]` as `E` linears
+with `lora_A.weight [r*E, in]` (rows expert-major: `A[e*r + k]`) and
 `lora_B.weight [out, r*E]` (columns expert-minor: `B[:, k*E + e]`), delta `W[e] += scale * B_e @ A_e`. When both
 tensors of one module are targeted the wrappers nest in parameter order, so `gate_up_proj`'s factors are saved
 as `experts.base_layer.lora_*` and `down_proj`'s as `experts.lora_*`.
@@ -33,8 +40,9 @@ from hackable_diffusion.errors import AdapterError
 from hackable_diffusion.files import makedirs_no_link, read_json, write_json
 from hackable_diffusion.interop.names import DECODER, DECODER_LAYERS, ENCODER_LAYERS, hf_name
 from hackable_diffusion.interop.safetensors_io import write_file
-from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LoRAExperts, LoRALinear, LoraConfig, apply_lora,
-                                              has_lora, lora_modules, targetable)
+from hackable_diffusion.interop.vision_io import VISION_PREFIXES
+from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, LINEAR_ADAPTERS, AdapterModule, LoRAExperts, LoraConfig,
+                                              apply_lora, has_lora, lora_modules, targetable)
 from hackable_diffusion.lora.merge import layer_module
 from hackable_diffusion.model import scan
 
@@ -42,12 +50,16 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _BASE = ".base_layer"
+VISION_LAYERS = "model.encoder.vision_tower.encoder.layers."
+_ENCODER = "model.encoder."
 
 
 # ---- names ------------------------------------------------------------------------------------------------------
 def decoder_module(path: tuple[Any, ...], param: str | None) -> str:
   """HF name of the decoder module holding our target: `model.decoder.layers.0.self_attn.q_proj`,
-  `model.decoder.layers.0.experts` (expert tensors), `model.decoder.self_conditioning.gate_proj`."""
+  `model.decoder.layers.0.experts` (expert tensors), `model.decoder.self_conditioning.gate_proj`; for the vision
+  tower, the module PEFT wraps: `model.encoder.vision_tower.encoder.layers.0.self_attn.q_proj.linear`,
+  `model.encoder.embed_vision.embedding_projection`."""
   if param is None:
     return hf_name((*path, "kernel"))[0][: -len(".weight")]
   return hf_name((*path, param))[0].rsplit(".", 1)[0]
@@ -65,30 +77,44 @@ def _rx(names: Iterable[str]) -> str:
   return names[0] if len(names) == 1 else "(?:" + "|".join(names) + ")"
 
 
-def target_modules_regex(decoder_names: Iterable[str], num_layers: int) -> str:
-  """One regex that `re.fullmatch`es exactly the encoder and decoder copies of `decoder_names`."""
+def _layer_parts(names: Iterable[str], prefix: str, prefix_rx: str, num_layers: int) -> list[str]:
+  """Regexes for the modules `prefix + "N." + sub` of `names`, grouped by the set of layers N they cover."""
   by_sub: dict[str, set[int]] = {}
-  other: list[str] = []
-  for name in decoder_names:
-    if name.startswith(DECODER_LAYERS):
-      layer, sub = name[len(DECODER_LAYERS):].split(".", 1)
-      by_sub.setdefault(sub, set()).add(int(layer))
-    else:
-      other.append(re.escape(name[len(DECODER):]))
+  for name in names:
+    layer, sub = name[len(prefix):].split(".", 1)
+    by_sub.setdefault(sub, set()).add(int(layer))
   groups: dict[frozenset[int], list[str]] = {}
   for sub, layer_set in by_sub.items():
     groups.setdefault(frozenset(layer_set), []).append(re.escape(sub))
   parts = []
   for layer_set, subs in sorted(groups.items(), key=lambda g: sorted(g[0])):
     idx = r"\d+" if layer_set == frozenset(range(num_layers)) else _rx(str(i) for i in layer_set)
-    parts.append(rf"model\.(?:encoder\.language_model|decoder)\.layers\.{idx}\.{_rx(subs)}")
-  if other:
-    parts.append(rf"model\.decoder\.{_rx(other)}")
+    parts.append(rf"{prefix_rx}\.{idx}\.{_rx(subs)}")
+  return parts
+
+
+def target_modules_regex(decoder_names: Iterable[str], num_layers: int, num_vision_layers: int = 0) -> str:
+  """One regex that `re.fullmatch`es exactly the encoder and decoder copies of `decoder_names` (and the vision
+  modules among them, which exist once; `num_vision_layers`: the tower's layer count)."""
+  names = list(decoder_names)
+  text_layers = [n for n in names if n.startswith(DECODER_LAYERS)]
+  vision_layers = [n for n in names if n.startswith(VISION_LAYERS)]
+  text_other = [re.escape(n[len(DECODER):]) for n in names if n.startswith(DECODER) and n not in text_layers]
+  vision_other = [re.escape(n[len(_ENCODER):]) for n in names
+                  if n.startswith(VISION_PREFIXES) and n not in vision_layers]
+  parts = _layer_parts(text_layers, DECODER_LAYERS, r"model\.(?:encoder\.language_model|decoder)\.layers",
+                       num_layers)
+  if text_other:
+    parts.append(rf"model\.decoder\.{_rx(text_other)}")
+  parts += _layer_parts(vision_layers, VISION_LAYERS, re.escape(VISION_LAYERS[:-1]), num_vision_layers)
+  if vision_other:
+    parts.append(rf"model\.encoder\.{_rx(vision_other)}")
   return parts[0] if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts)
 
 
 # ---- export -----------------------------------------------------------------------------------------------------
-def _linear_factors(m: LoRALinear) -> tuple[np.ndarray, np.ndarray]:
+def _linear_factors(m: Any) -> tuple[np.ndarray, np.ndarray]:
+  """[r, in], [out, r] of a `LINEAR_ADAPTERS` module."""
   return np.asarray(m.lora_a[...]).T, np.asarray(m.lora_b[...]).T  # [r, in], [out, r]
 
 
@@ -105,7 +131,7 @@ def _expert_module_name(module: str, targets: tuple[str, ...], name: str) -> str
   return module + _BASE * depth
 
 
-def adapter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], LoRALinear | LoRAExperts]]:
+def adapter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], AdapterModule]]:
   """(path as in the unrolled model, module) of every adapter of `model`; a stacked model's layers are sliced one
   at a time, their adapters only (`lora.merge.layer_module`): the base weights are never read, so a model whose
   base is shapes only (`runs.run.load_run_adapters`) works too."""
@@ -129,7 +155,7 @@ def adapter_state(model: nnx.Module) -> tuple[dict[str, np.ndarray], dict[str, A
   linear_names, params, ranks, scales, dropouts = [], [], set(), set(), set()
   for path, m in mods:
     scales.add(round(m.scale, 12))
-    if isinstance(m, LoRALinear):
+    if isinstance(m, LINEAR_ADAPTERS):
       ranks.add(m.rank)
       dropouts.add(m.dropout_rate)
       dec = decoder_module(path, None)
@@ -158,11 +184,16 @@ def adapter_state(model: nnx.Module) -> tuple[dict[str, np.ndarray], dict[str, A
       "lora_alpha": alpha,
       # PEFT refuses dropout on expert tensors (ParamWrapper); dropout does not matter for inference anyway.
       "lora_dropout": 0.0 if params else (max(dropouts) if dropouts else 0.0),
-      "target_modules": (target_modules_regex(linear_names, model.config.num_hidden_layers) if linear_names
-                         else None),
+      "target_modules": (target_modules_regex(linear_names, model.config.num_hidden_layers, _vision_layers(model))
+                         if linear_names else None),
       "target_parameters": sorted(c for p in params for c in _param_copies(p)) or None,
   }
   return tensors, fields
+
+
+def _vision_layers(model: nnx.Module) -> int:
+  vision = getattr(model.config, "vision", None)
+  return vision.num_hidden_layers if vision is not None else 0
 
 
 def _param_copies(decoder_param: str) -> list[str]:
@@ -272,9 +303,10 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
   """Reads a PEFT LoRA adapter (as `PeftModel.save_pretrained` writes it for transformers' DiffusionGemma) into
   a LoRA-wrapped copy of `model`.
 
-  Raises `AdapterError` (one line) for: a missing/malformed file, unsupported PEFT features, a module that is not
-  part of the text model, an encoder copy that differs from (or lacks) its decoder copy, and a tensor whose shape
-  does not fit this model (naming the tensor and both shapes).
+  Vision tower adapters (`...q_proj.linear`, `embed_vision.embedding_projection`, ...) are read into its
+  `ClippableLinear`s. Raises `AdapterError` (one line) for: a missing/malformed file, unsupported PEFT features, a
+  module that is not part of the model, an encoder copy that differs from (or lacks) its decoder copy, and a tensor
+  whose shape does not fit this model (naming the tensor and both shapes).
   """
   if has_lora(model):
     raise AdapterError("the model already has LoRA adapters; merge() it first to stack another adapter")
@@ -286,10 +318,10 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
   r = int(config["r"])
   alpha = float(config["lora_alpha"]) * (math.sqrt(r) if config.get("use_rslora") else 1.0)  # same scale
   table = targetable(model)
-  by_module: dict[str, tuple[str, tuple[Any, ...], str | None]] = {}  # decoder-relative HF module -> ours
+  by_module: dict[str, tuple[str, tuple[Any, ...], str | None]] = {}  # `_relative` HF module -> ours
   for name, (mpath, param) in table.items():
     if param is None:
-      by_module[decoder_module(mpath, None)[len(DECODER):]] = (name, mpath, None)
+      by_module[_relative(decoder_module(mpath, None))] = (name, mpath, None)
   expert_modules = {decoder_module(mpath, param)[len(DECODER):]: mpath for _, (mpath, param) in table.items() if param}
   # ours -> {'dec'|'enc': {'A'|'B': (key, array)}}
   found: dict[str, dict[str, dict[str, tuple[str, np.ndarray]]]] = {}
@@ -304,11 +336,11 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
       module, depth = module[: -len(_BASE)], depth + 1
     if module.startswith(ENCODER_LAYERS):
       mode, rel = "enc", "layers." + module[len(ENCODER_LAYERS):]
-    elif module.startswith(DECODER):
-      mode, rel = "dec", module[len(DECODER):]
+    elif module.startswith((DECODER, *VISION_PREFIXES)):  # a vision module has one copy, read as the decoder's
+      mode, rel = "dec", _relative(module)
     else:
-      raise AdapterError(f"{file}: tensor {key!r} adapts {module!r}, which is not part of the text model "
-                         "(adapters of the vision tower are not supported)")
+      raise AdapterError(f"{file}: tensor {key!r} adapts {module!r}, which is not part of the model (expected "
+                         f"model.decoder.*, model.encoder.language_model.* or {', '.join(VISION_PREFIXES)}*)")
     if rel in expert_modules:
       targeted = _targeted_params(module, config.get("target_parameters"))
       if depth >= len(targeted):
@@ -336,6 +368,11 @@ def load_adapter(model: nnx.Module, path: str) -> nnx.Module:
     a, b = found[name]["dec"]["A"][1], found[name]["dec"]["B"][1]
     _set_factors(wrapped, mpath, param, a, b)
   return wrapped
+
+
+def _relative(module: str) -> str:
+  """A HF module name as `load_adapter` keys it: decoder modules without `model.decoder.`, vision ones whole."""
+  return module[len(DECODER):] if module.startswith(DECODER) else module
 
 
 def _check_copies(file: str, ours: str, modes: dict[str, dict[str, tuple[str, np.ndarray]]]) -> None:

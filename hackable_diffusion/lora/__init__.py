@@ -6,6 +6,9 @@
 
 Adapter dropout (`LoraConfig.dropout`) needs an explicit key per step: `rest = lora.set_dropout_key(rest, key)`.
 
+The vision tower and its projector get adapters only when asked: `target_modules=DEFAULT_TARGETS + VISION_TARGETS`
+(or entries naming `vision_tower` / `embed_vision`).
+
 QLoRA: `lora.LoraConfig(..., base_quantization='fp8' | 'int4' | 'nvfp4')` quantizes the frozen base on the device
 (`lora.qlora`; a checkpoint loaded quantized tensor by tensor: `hackable_diffusion.interop.qlora_load`).
 
@@ -13,12 +16,13 @@ PEFT files (adapter_model.safetensors + adapter_config.json) are in `hackable_di
 """
 
 from hackable_diffusion.lora import qlora
-from hackable_diffusion.lora.adapters import (ALL_LINEAR, DEFAULT_TARGETS, LoRADropoutKey, LoRAExperts, LoRALinear,
-                                              LoraConfig, QLoRAExperts, QLoRALinear, apply_lora, has_lora,
-                                              lora_modules, resolve_targets, set_dropout_key, targetable)
+from hackable_diffusion.lora.adapters import (ALL_LINEAR, DEFAULT_TARGETS, VISION_TARGETS, LoRAClippableLinear,
+                                              LoRADropoutKey, LoRAExperts, LoRALinear, LoraConfig, QLoRAExperts,
+                                              QLoRALinear, apply_lora, has_lora, lora_modules, resolve_targets,
+                                              set_dropout_key, targetable)
 from hackable_diffusion.lora.merge import adapter_num_params, merge, split
 
-__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoRADropoutKey", "LoRAExperts", "LoRALinear", "LoraConfig",
-           "QLoRAExperts", "QLoRALinear", "qlora",
+__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoRAClippableLinear", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
+           "LoraConfig", "QLoRAExperts", "QLoRALinear", "VISION_TARGETS", "qlora",
            "adapter_num_params", "apply_lora", "has_lora", "lora_modules", "merge", "resolve_targets",
            "set_dropout_key", "split", "targetable"]

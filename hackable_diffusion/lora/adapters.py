@@ -21,6 +21,12 @@ Dropout (on the adapter input, as PEFT) needs an explicit key and is off otherwi
 forbids mutating variables inside `jax.grad`). Evaluation and sampling never set a key, so they see no dropout.
 Each adapter folds its own index into the key. Expert adapters have no dropout (PEFT cannot express it either).
 
+The vision tower's projections and its projector are `ClippableLinear`s (transformers' `Gemma4ClippableLinear`: an
+`nn.Linear` between an input and an output clamp). A targeted one becomes `LoRAClippableLinear`, whose update is
+added between the clamps: `clip_out(clip_in(x) @ kernel + lora(clip_in(x)))`, what peft computes when it wraps the
+inner `...q_proj.linear`. They are selected only by a `target_modules` entry naming `vision_tower` or
+`embed_vision` (`targets.entry_matches`; e.g. `VISION_TARGETS`), so the tower stays frozen by default.
+
 QLoRA (`LoraConfig.base_quantization='fp8' | 'int4' | 'nvfp4'`): `apply_lora` first quantizes the base
 (`lora.qlora`: every linear layer but the router, and the experts; a base already quantized, e.g. by
 `interop.qlora_load`, is kept) and wraps the quantized modules with `QLoRALinear` / `QLoRAExperts`: the same
@@ -44,12 +50,16 @@ from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.lora import qlora
 from hackable_diffusion.model import moe
 from hackable_diffusion.model import scan
-from hackable_diffusion.targets import entry_matches, is_module_name
+from hackable_diffusion.model.vision_layers import ClippableLinear
+from hackable_diffusion.targets import entry_matches, is_module_name, is_vision_target
 
 Array = jax.Array
 ALL_LINEAR = "all-linear"
 # attention q/k/v/o and the dense MLP of every layer; not the router, the experts or the self-conditioning MLP
 DEFAULT_TARGETS = (r"^layers\.\d+\.self_attn\.(q|k|v|o)_proj$", r"^layers\.\d+\.mlp\.(gate|up|down)_proj$")
+# the vision tower's linears (attention, MLP, patch embedding) and its projector into the text model
+VISION_TARGETS = (r"^vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj$",
+                  r"^vision_tower\.patch_embedder\.input_proj$", r"^embed_vision\.embedding_projection$")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # also the nesting order of PEFT's ParamWrappers
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -62,9 +72,13 @@ class LoraConfig:
   r / lora_alpha / lora_dropout: PEFT's names of rank / alpha / dropout (init-only aliases; giving both names with
     different values is a ConfigError).
   target_modules: which adaptable paths get adapters. Paths are dotted, e.g. `layers.3.self_attn.q_proj`,
-    `layers.3.mlp.down_proj`, `layers.3.router.proj`, `layers.3.experts.gate_up_proj` (3-D expert Params) or
-    `self_conditioning.mlp.gate_proj`. Each entry of a list/tuple is one of:
-    - `"all-linear"`: every linear layer except the router, including the self-conditioning MLP; experts excluded;
+    `layers.3.mlp.down_proj`, `layers.3.router.proj`, `layers.3.experts.gate_up_proj` (3-D expert Params),
+    `self_conditioning.mlp.gate_proj`, `vision_tower.encoder.layers.0.self_attn.q_proj`,
+    `vision_tower.patch_embedder.input_proj` or `embed_vision.embedding_projection`. Vision paths are selected only by
+    entries containing `vision_tower` / `embed_vision` (`VISION_TARGETS`, or the names themselves). Each entry of
+    a list/tuple is one of:
+    - `"all-linear"`: every linear layer of the text model except the router, including the self-conditioning MLP;
+      experts and the vision tower excluded;
     - a module name (letters, digits, `_` and `.` only), as PEFT matches a list: a path is selected when it, or
       the path of a module containing it, equals the name or ends with "." + name (`["q_proj", "v_proj"]`;
       `"experts"` selects the expert Params, `"self_attn"` every attention projection);
@@ -179,6 +193,17 @@ def set_dropout_key(target: Any, key: Array | None) -> Any:
                       is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def _adapter_input(x: Array, rate: float, key_var: LoRADropoutKey | None, index: int) -> Array:
+  """`x` with adapter dropout applied when the shared key is on (PEFT's dropout on the adapter input)."""
+  if rate <= 0:
+    return x
+  data = key_var[...]
+  key = jax.random.fold_in(jax.random.wrap_key_data(data[:-1]), index)
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  dropped = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+  return jnp.where(data[-1] > 0, dropped, x)
+
+
 class LoRALinear(nnx.Linear):
   """`nnx.Linear` + a low-rank update; the base `kernel` (and `bias`) Variables are the wrapped layer's own.
 
@@ -214,16 +239,49 @@ class LoRALinear(nnx.Linear):
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     y = super().__call__(inputs, out_sharding=out_sharding)
-    x = inputs
-    if self.dropout_rate > 0:
-      data = self.dropout_key[...]
-      key = jax.random.fold_in(jax.random.wrap_key_data(data[:-1]), self.dropout_index)
-      keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, x.shape)
-      dropped = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout_rate, x.dtype), jnp.zeros_like(x))
-      x = jnp.where(data[-1] > 0, dropped, x)
+    x = _adapter_input(inputs, self.dropout_rate, self.dropout_key, self.dropout_index)
     dtype = self.dtype or y.dtype
     h = x.astype(dtype) @ self.lora_a[...].astype(dtype)
     return y + ((h @ self.lora_b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)).astype(y.dtype)
+
+
+class LoRAClippableLinear(ClippableLinear):
+  """A vision `ClippableLinear` + a low-rank update added between its clamps (its `kernel` and bounds are the wrapped
+  layer's own Variables): `clip_out(x' @ kernel + (dropout(x') @ lora_a @ lora_b) * scale)`, `x' = clip_in(x)`."""
+
+  def __init__(self, base: ClippableLinear, *, lora_a: Array, lora_b: Array, scale: float, dropout: float = 0.0,
+               dropout_key: LoRADropoutKey | None = None, dropout_index: int = 0):
+    self.dtype, self.clipped = base.dtype, base.clipped
+    self.in_features, self.out_features = base.in_features, base.out_features
+    self.kernel = base.kernel
+    if base.clipped:
+      self.input_min, self.input_max = base.input_min, base.input_max
+      self.output_min, self.output_max = base.output_min, base.output_max
+    if lora_a.shape[0] != self.in_features or lora_b.shape[1] != self.out_features:
+      raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{self.in_features}, "
+                       f"{self.out_features}] kernel")
+    self.rank, self.scale, self.dropout_rate = lora_a.shape[1], float(scale), float(dropout)
+    if dropout > 0 and dropout_key is None:
+      raise ValueError("LoRAClippableLinear with dropout needs the shared LoRADropoutKey variable")
+    self.dropout_key = dropout_key if dropout > 0 else None
+    self.dropout_index = int(dropout_index)
+    axes = _axes(base.kernel) or (None, None)
+    self.lora_a = _lora_param(lora_a, (axes[0], None))
+    self.lora_b = _lora_param(lora_b, (None, axes[1]))
+
+  def delta(self) -> Array:
+    """The kernel update `scale * lora_a @ lora_b` [in, out] in float32."""
+    return self.scale * (self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32))
+
+  def project(self, x: Array) -> Array:
+    y = super().project(x)
+    h = _adapter_input(x, self.dropout_rate, self.dropout_key, self.dropout_index)
+    h = (h @ self.lora_a[...].astype(self.dtype)) @ self.lora_b[...].astype(self.dtype)
+    return y + (h * jnp.asarray(self.scale, self.dtype)).astype(y.dtype)
+
+
+# the adapter modules of 2-D linear layers (`delta()`, `lora_a [in, r]`, `lora_b [r, out]`)
+LINEAR_ADAPTERS = (LoRALinear, LoRAClippableLinear)
 
 
 class LoRAExperts(moe.Experts):
@@ -279,12 +337,17 @@ class QLoRAExperts(LoRAExperts, qlora.QuantizedExperts):
   low-rank updates are added."""
 
 
-def _lora_linear_class(base: nnx.Linear) -> type[LoRALinear]:
+def _lora_linear_class(base: nnx.Linear | ClippableLinear) -> type[LoRALinear] | type[LoRAClippableLinear]:
+  if isinstance(base, ClippableLinear):
+    return LoRAClippableLinear
   return QLoRALinear if isinstance(base, qlora.QuantizedLinear) else LoRALinear
 
 
 def _lora_experts_class(base: moe.Experts) -> type[LoRAExperts]:
   return QLoRAExperts if isinstance(base, qlora.QuantizedExperts) else LoRAExperts
+
+
+AdapterModule = LoRALinear | LoRAClippableLinear | LoRAExperts
 
 
 # ---- finding targets --------------------------------------------------------------------------------------------
@@ -295,12 +358,13 @@ def path_str(path: tuple[Any, ...]) -> str:
 def targetable(model: nnx.Module) -> dict[str, tuple[tuple[Any, ...], str | None]]:
   """Every adaptable path -> (module path, expert Param name or None), in model order.
 
-  Linear layers: `layers.0.self_attn.q_proj` -> (('layers', 0, 'self_attn', 'q_proj'), None);
+  Linear layers: `layers.0.self_attn.q_proj` -> (('layers', 0, 'self_attn', 'q_proj'), None) (also the vision
+  tower's `ClippableLinear`s: `vision_tower.encoder.layers.0.mlp.up_proj`, `embed_vision.embedding_projection`);
   expert Params: `layers.0.experts.gate_up_proj` -> (('layers', 0, 'experts'), 'gate_up_proj').
   """
   out: dict[str, tuple[tuple[Any, ...], str | None]] = {}
   for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
-    if isinstance(node, nnx.Linear):
+    if isinstance(node, (nnx.Linear, ClippableLinear)):
       out[path_str(path)] = (tuple(path), None)
     elif isinstance(node, moe.Experts):
       for name in EXPERT_PARAMS:
@@ -313,7 +377,7 @@ def _sort_key(path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _is_all_linear(name: str, param: str | None) -> bool:
-  return param is None and ".router." not in f".{name}."
+  return param is None and ".router." not in f".{name}." and not is_vision_target(name)
 
 
 def resolve_targets(model: nnx.Module, config: LoraConfig) -> list[str]:
@@ -336,14 +400,16 @@ def resolve_targets(model: nnx.Module, config: LoraConfig) -> list[str]:
 
 def _examples(candidates: Mapping[str, Any]) -> list[str]:
   layer0 = [n for n in candidates if n.startswith("layers.0.")]
-  rest = [n for n in candidates if not n.startswith("layers.")]
-  return layer0 + rest[:3]
+  rest = [n for n in candidates if not n.startswith("layers.") and not is_vision_target(n)]
+  tower = [n for n in candidates if n.startswith("vision_tower.encoder.layers.0.")]
+  projector = [n for n in candidates if n.startswith("embed_vision.")]
+  return layer0 + rest[:3] + tower[:1] + projector
 
 
-def lora_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], LoRALinear | LoRAExperts]]:
+def lora_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], AdapterModule]]:
   """(path, module) of every adapter-carrying module, in model order."""
   for path, node in sorted(nnx.iter_graph(model), key=lambda pn: _sort_key(pn[0])):
-    if isinstance(node, (LoRALinear, LoRAExperts)):
+    if isinstance(node, (*LINEAR_ADAPTERS, LoRAExperts)):
       yield tuple(path), node
 
 
@@ -416,7 +482,8 @@ def _init_factors(key: Array, specs: tuple[tuple[tuple[int, ...], tuple[int, ...
   return out
 
 
-__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LoRADropoutKey", "LoRAExperts", "LoRALinear",
-           "LoraConfig", "QLoRAExperts", "QLoRALinear", "apply_lora", "has_lora",
+__all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "EXPERT_PARAMS", "LINEAR_ADAPTERS", "LoRAClippableLinear",
+           "LoRADropoutKey", "LoRAExperts", "LoRALinear", "LoraConfig", "QLoRAExperts", "QLoRALinear",
+           "VISION_TARGETS", "apply_lora", "has_lora",
            "lora_modules", "path_str", "resolve_targets",
            "set_dropout_key", "targetable"]

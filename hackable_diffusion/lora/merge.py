@@ -25,8 +25,10 @@ import numpy as np
 from flax import nnx
 
 from hackable_diffusion.lora import qlora
-from hackable_diffusion.lora.adapters import EXPERT_PARAMS, LoRADropoutKey, LoRAExperts, LoRALinear, lora_modules
+from hackable_diffusion.lora.adapters import (EXPERT_PARAMS, AdapterModule, LoRAClippableLinear, LoRADropoutKey,
+                                              LoRAExperts, LoRALinear, lora_modules)
 from hackable_diffusion.model import moe, scan
+from hackable_diffusion.model.vision_layers import ClippableLinear
 
 
 def _plain_linear(src: LoRALinear) -> nnx.Linear:
@@ -42,6 +44,29 @@ def _plain_linear(src: LoRALinear) -> nnx.Linear:
   if src.use_bias:
     lin.bias = src.bias.replace(src.bias[...])
   return lin
+
+
+def _plain_clippable(src: LoRAClippableLinear) -> ClippableLinear:
+  """The vision `ClippableLinear` of `src` with its update folded into the kernel (its bounds kept)."""
+  kernel = src.kernel[...]
+  merged = (kernel.astype(jnp.float32) + src.delta()).astype(kernel.dtype)
+  axes = src.kernel.get_metadata().get("out_sharding") or (None, None)
+  with nnx.use_eager_sharding(False):
+    plain = nnx.eval_shape(lambda: ClippableLinear(src.in_features, src.out_features, tuple(axes),
+                                                   clipped=src.clipped, rngs=nnx.Rngs(0), dtype=src.dtype,
+                                                   param_dtype=kernel.dtype, std=0.02))
+  plain.kernel = src.kernel.replace(merged)
+  if src.clipped:  # the wrapped layer's own bound Variables
+    plain.input_min, plain.input_max = src.input_min, src.input_max
+    plain.output_min, plain.output_max = src.output_min, src.output_max
+  return plain
+
+
+def _plain(src: AdapterModule) -> nnx.Module:
+  """The adapter-free module of one adapter module, its update folded in."""
+  if isinstance(src, LoRAClippableLinear):
+    return _plain_clippable(src)
+  return _plain_linear(src) if isinstance(src, LoRALinear) else _plain_experts(src)
 
 
 def _plain_experts(src: LoRAExperts) -> moe.Experts:
@@ -91,15 +116,14 @@ def merge(model: nnx.Module) -> nnx.Module:
   """
   model = nnx.clone(scan.unstack_layers(model))
   for path, module in list(lora_modules(model)):
-    plain = _plain_linear(module) if isinstance(module, LoRALinear) else _plain_experts(module)
-    qlora.set_module(model, path, plain)
+    qlora.set_module(model, path, _plain(module))
   return qlora.dequantize_base(model)
 
 
 def _merged_module(module: nnx.Module) -> nnx.Module:
   """`module` (a fresh copy, changed in place) with its adapters folded in and its quantized base dequantized."""
   for path, sub in list(lora_modules(module)):
-    plain = _plain_linear(sub) if isinstance(sub, LoRALinear) else _plain_experts(sub)
+    plain = _plain(sub)
     if not path:
       return plain
     qlora.set_module(module, path, plain)

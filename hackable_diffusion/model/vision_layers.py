@@ -5,8 +5,10 @@ plain `weight`, q/k normed per head (with a scale) and v normed without one, att
 set their size), softmax in fp32, every patch attending to every non-padding patch of its image, and the head
 dimension split in two halves rotated by the patch's x and y position.
 
-The projections are `ClippableLinear`s, not `nnx.Linear`: LoRA's target search and QLoRA's quantization walk the
-`nnx.Linear` modules of the text model, and the vision tower stays out of both (frozen, in the model's dtype).
+The projections are `ClippableLinear`s, not `nnx.Linear`: QLoRA's quantization walks the `nnx.Linear` modules of the
+text model only, so the tower stays dense. LoRA can target them (`lora.adapters.LoRAClippableLinear`, only when a
+`target_modules` entry names `vision_tower` / `embed_vision`): the update is added inside the clipping, as peft does
+when it wraps transformers' inner `nn.Linear` (`...q_proj.linear`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ClippableLinear(nnx.Module):
   def __init__(self, d_in: int, d_out: int, axes: tuple[str | None, str | None], *, clipped: bool, rngs: nnx.Rngs,
                dtype, param_dtype, std: float):
     self.dtype = dtype
+    self.in_features, self.out_features = d_in, d_out
     self.kernel = layers.param(rngs, nnx.initializers.normal(std), (d_in, d_out), param_dtype, axes)
     self.clipped = clipped
     if clipped:
@@ -40,10 +43,15 @@ class ClippableLinear(nnx.Module):
     x = x.astype(self.dtype)
     if self.clipped:
       x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
-    y = (layers.tokens_2d(x) @ self.kernel[...].astype(self.dtype)).reshape(*x.shape[:-1], -1)
+    y = self.project(x)
     if self.clipped:
       y = jnp.clip(y, self.output_min[...].astype(y.dtype), self.output_max[...].astype(y.dtype))
     return y
+
+  def project(self, x: Array) -> Array:
+    """The linear part, between the two clips: x [..., in] (compute dtype) -> `x @ kernel` [..., out] (a LoRA
+    subclass adds its update here, i.e. inside the clipping)."""
+    return (layers.tokens_2d(x) @ self.kernel[...].astype(self.dtype)).reshape(*x.shape[:-1], -1)
 
 
 def axial_cos_sin(positions: Array, config: VisionConfig, dtype) -> tuple[Array, Array]:

@@ -268,7 +268,7 @@ class TrainSection:
   for every token and can leave experts idle; the experts themselves still adapt. True / False force it.
   train_vision: what of a model's vision tower trains: 'none' (default: the tower and its projection into the text
   model, `embed_vision`, keep their weights), 'projector' (`embed_vision` only) or 'all' (both); 'projector' and
-  'all' need full fine-tuning (LoRA adapts the text model only).
+  'all' need full fine-tuning (LoRA adapts the tower only where `lora.target_modules` names it, docs/lora.md).
   """
 
   steps: int = 1000
@@ -403,16 +403,19 @@ class ExperimentConfig:
   def __post_init__(self):
     if self.lora is not None and self.train.train_vision != "none":
       raise ConfigError(f"train.train_vision={self.train.train_vision!r} needs full fine-tuning (lora.enabled="
-                        "False): LoRA adapts the text model only, and its checkpoints and exports hold the adapters")
+                        "False); with LoRA, adapt the tower through lora.target_modules (e.g. 'vision_tower', "
+                        "'embed_vision')")
 
   @property
   def frozen_modules(self) -> tuple[str, ...]:
     """Module names whose trainable variables training keeps unchanged: 'router' (`train.freeze_router`), then the
-    vision modules `train.train_vision` leaves frozen (names no text model has)."""
+    vision modules `train.train_vision` leaves frozen (names no text model has). With LoRA only the adapters train,
+    and the tower has adapters only where `lora.target_modules` names it: no vision module is held back."""
     freeze = self.train.freeze_router
     if freeze == "auto":
       freeze = bool(self.model.checkpoint) and self.lora is None
-    return ("router",) * bool(freeze) + VISION_TRAINING[self.train.train_vision]
+    vision = VISION_TRAINING[self.train.train_vision] if self.lora is None else ()
+    return ("router",) * bool(freeze) + vision
 
   @classmethod
   def from_config_dict(cls, config: ml_collections.ConfigDict | Mapping[str, Any], *,

@@ -1,5 +1,5 @@
 """The Gemma 4 vision tower: soft tokens equal to transformers' on a held-out tiny config, pooling geometry,
-scattering into the prompt, and the tower kept out of LoRA and QLoRA."""
+scattering into the prompt, and the tower kept out of QLoRA and (unless named, tests/lora/test_vision_lora.py) LoRA."""
 
 from __future__ import annotations
 
@@ -100,9 +100,10 @@ def test_scatter_places_soft_tokens_in_row_major_order():
   assert (out[np.asarray(ids) != 9] == -1.0).all()
 
 
-def test_vision_tower_is_not_a_lora_or_qlora_target(pair):
+def test_vision_tower_is_no_default_lora_target_and_no_qlora_target(pair):
   _, ours, _ = pair
-  assert not [p for p in adapters.targetable(ours) if "vision" in p]
+  for targets in (adapters.DEFAULT_TARGETS, "all-linear", ["q_proj", "v_proj"]):
+    assert not [p for p in adapters.resolve_targets(ours, adapters.LoraConfig(target_modules=targets)) if "vision" in p]
   assert not [p for p, _ in qlora.quantization_targets(ours) if "vision" in str(p[0])]
 
 

@@ -1,8 +1,8 @@
 """Fine-tuning with images: chat JSONL records whose user turns hold image files become batches with their pixels
-(padded to a fixed number of images per example), `hd.SFTTrainer` trains LoRA on them with the vision tower frozen,
-the loss depends on the pixels, and the PEFT export loaded by peft on transformers gives our logits with the same
-`pixel_values`. Bad input (unreadable image, a path outside the data folder, an image in the final assistant turn,
-an image-token count that does not match) is one line."""
+(padded to a fixed number of images per example), `hd.SFTTrainer` trains LoRA on them with the vision tower frozen
+(or adapters on the tower, when named), the loss depends on the pixels, and the PEFT export loaded by peft on
+transformers gives our logits with the same `pixel_values`. Bad input (unreadable image, a path outside the data
+folder, an image in the final assistant turn, an image-token count that does not match) is one line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from flax import nnx
 from tokenizers import models, pre_tokenizers
 
 import hackable_diffusion as hd
+from hackable_diffusion import lora
 from hackable_diffusion.data.images import ImageProcessorConfig
 from hackable_diffusion.data.sft import SFTDataConfig, make_sft_dataset
 from hackable_diffusion.data.tokenizer import Tokenizer
@@ -263,6 +264,23 @@ def test_lora_steps_use_the_images_and_keep_the_tower(setup, lora_run):
   assert np.asarray(mask).reshape(2, -1).sum(-1).tolist() == [64, 124]
   with pytest.raises(ConfigError, match=r"has images, but evaluation during training samples from text prompts"):
     trainer.evaluate()
+
+
+def test_a_step_with_vision_lora_trains_its_adapters_and_keeps_the_tower(setup, tmp_path):
+  """Adapters on the tower and the projector (named in target_modules) train; the tower's weights do not."""
+  ckpt, _, train = setup
+  config = hd.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", *lora.VISION_TARGETS])
+  with hd.SFTTrainer(model=ckpt, train_dataset=train, progress=False, args=_args(tmp_path / "run", max_steps=1),
+                     peft_config=config) as trainer:
+    trainer.train()
+    model = trainer.model
+  vision_b = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+              if str(p[0]) in ("vision_tower", "embed_vision") and p[-1] == "lora_b"}
+  assert len(vision_b) == 2 * 7 + 2  # 2 layers x 7 projections, input_proj, the projector
+  assert all(np.abs(b).max() > 0 for b in vision_b.values())  # B starts at zero: one step moved every one
+  before, after = _vision_state(hd.load_pretrained(ckpt)), _vision_state(model)
+  assert before and before.keys() < after.keys()  # `after` holds the adapters too (an nnx.LoRAParam is a Param)
+  assert all(np.array_equal(before[k], after[k]) for k in before)  # the tower's own weights: bit for bit
 
 
 @pytest.mark.slow  # the train_vision='all' variant of the LoRA image steps above
