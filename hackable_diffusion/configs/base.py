@@ -59,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
       prefetch_batches=2,
       pinned_field="",  # JSON key of a '0'/'1' string of completion tokens known at sampling time (infilling)
       max_images=-1,  # images per example of chat records with image parts (-1: the most any record has)
+      image_processor=ml_collections.ConfigDict(),  # ImageProcessorConfig fields replacing the run's (e.g. do_resize)
   ))
 
   # The SFT objective (docs/reference.md, "Training recipe").

@@ -274,6 +274,16 @@ class Tokenizer:
     """The checkpoint's jinja chat template (with this tokenizer's special tokens), or None."""
     return self._chat_template
 
+  def with_config(self, updates: Mapping[str, Any]) -> 'Tokenizer':
+    """A copy of this tokenizer whose `tokenizer_config.json` entries also hold `updates` (e.g. the named image
+    tokens `image_token` / `boi_token` / `eoi_token` of a trained character model), its special tokens resolved
+    and checked again; `save` writes them."""
+    tok = self.__class__.__new__(self.__class__)
+    template = None if self._chat_template is None else (self._chat_template.source, self._chat_template.origin)
+    tok._setup(self._backend, config={**self._config, **updates}, generation_config=self._generation_config,
+               where=f'<{self.kind} tokenizer>', template=template)
+    return tok
+
   def with_chat_template(self, template: str, origin: str = '<chat_template>') -> 'Tokenizer':
     """A copy of this tokenizer that uses `template` (jinja) as its chat template."""
     tok = self.__class__.__new__(self.__class__)

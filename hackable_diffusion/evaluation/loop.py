@@ -14,6 +14,11 @@ split over the batch axes. Every process runs the same programs on the same (who
 generated tokens come back to the host. The results are those of one device: a row's random draws depend on the
 key and the row only (threefry's partitionable bits), not on the batch it is padded into.
 
+Prompts with images (chat records whose user turns hold image parts, read with the data's image processor: the
+`records.images` of `EvalData`) sample with their preprocessed pixels, as `generate(..., pixel_values=...,
+image_position_ids=...)` takes them: each example passes its own images (`evaluation.images`), so its completion
+does not depend on the batch either.
+
 The report is written, plotted and summarised by `evaluation.report`.
 """
 
@@ -33,6 +38,7 @@ from hackable_diffusion.data.sft import SFTDataConfig, SFTRecords, load_records
 from hackable_diffusion.data.tokenizer import Tokenizer
 from hackable_diffusion.errors import ConfigError, DataError
 from hackable_diffusion.evaluation import report as report_lib
+from hackable_diffusion.evaluation.images import batch_images, example_images
 from hackable_diffusion.evaluation import tries as tries_lib
 from hackable_diffusion.tasks.base import EvalRecord, Task
 from hackable_diffusion.tasks.base import checker as task_checker
@@ -203,6 +209,7 @@ def trajectory_texts(model: Any, tokenizer: Tokenizer, data: EvalData, sampling:
   if seeded is not None:  # the first canvas only
     kwargs.update(seed_canvas=_pad_rows(np.asarray(seeded[0])[:, :canvas], rows),
                   pinned=_pad_rows(np.asarray(seeded[1])[:, :canvas], rows))
+  kwargs.update(batch_images(data.records, [0] * rows))  # the padding rows repeat the first example, images included
   out = generate(model, _pad_rows(data.records.prompt_ids[:1], rows), sampling.replace(max_new_tokens=canvas),
                  rng=rng, attention_mask=_pad_rows(data.records.prompt_mask[:1], rows),
                  allowed_token_ids=task.allowed_token_ids(tokenizer), return_trajectory=True, mesh=mesh,
@@ -278,7 +285,8 @@ def _sample_examples(model: Any, data: EvalData, sampling: SamplingConfig, task:
     # with early stopping, the examples with the most free cells enter first (less tail; the same completions)
     order = longest_first(pinned) if pinned is not None and sampling.early_stopping else np.arange(n)
     requests = (StreamRequest(prompt_ids[i], prompt_mask[i], None if seed_ids is None else seed_ids[i],
-                              None if pinned is None else pinned[i], keys[i]) for i in order)
+                              None if pinned is None else pinned[i], keys[i], *example_images(data.records, int(i)))
+                for i in order)  # lazily: an example's images are read when it enters a slot
     outs = sorted(generate_stream(model, requests, sampling, rng=keys[0], batch_size=per, prompt_length=width,
                                   allowed_token_ids=allowed, checker=checker), key=lambda o: order[o.index])
     new_tokens = [o.sequence[int(prompt_mask[order[o.index]].sum()):] for o in outs]
@@ -307,7 +315,9 @@ def _generate_on_mesh(model: Any, data: EvalData, sampling: SamplingConfig, allo
     kwargs: dict[str, Any] = {}
     if seed_ids is not None:
       kwargs.update(seed_canvas=_pad_rows(seed_ids[sl], bs), pinned=_pad_rows(pinned[sl], bs))
-    row_keys = keys[np.concatenate([np.arange(sl.start, sl.stop), np.full(bs - rows, sl.start)])]
+    row_index = np.concatenate([np.arange(sl.start, sl.stop), np.full(bs - rows, sl.start)])
+    kwargs.update(batch_images(data.records, row_index))  # the padding rows repeat the first row, images included
+    row_keys = keys[row_index]
     out = generate(model, _pad_rows(prompt_ids[sl], bs), sampling, rng=row_keys,
                    attention_mask=_pad_rows(prompt_mask[sl], bs), allowed_token_ids=allowed, mesh=mesh, checker=checker,
                    **kwargs)

@@ -198,6 +198,9 @@ class DataSection:
     (infilling): never corrupted in training, pinned by the sampler in evaluation.
   max_images: images per example of chat records with image parts (-1: the most any record has; fewer are padded
     with empty images).
+  image_processor: `ImageProcessorConfig` fields (data/images.py) that replace the run's image processor settings
+    (the checkpoint's, else the released ones at the vision tower's patch and pooling sizes), e.g.
+    `{'max_soft_tokens': 140, 'do_resize': False}` to feed pictures at their own size.
   """
 
   generator: str = ""
@@ -218,6 +221,7 @@ class DataSection:
   prefetch_batches: int = 2
   pinned_field: str = ""
   max_images: int = -1
+  image_processor: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not self.generator and not self.train_path:

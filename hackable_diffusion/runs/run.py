@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from hackable_diffusion import lora as lora_lib
 from hackable_diffusion import sharding
 from hackable_diffusion.data.chat import ChatTemplate, chat_template_kind
+from hackable_diffusion.data.images import ImageProcessorConfig, read_image_processor_config
 from hackable_diffusion.data.sft import SFTDataConfig, format_prompt, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, train_tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
@@ -49,6 +50,9 @@ from hackable_diffusion.sharding.mesh import is_main_process
 
 DATA_DIR = "data"
 EVAL_DIR = "eval"
+# The image tokens of a tokenizer trained for a model with a vision tower (Gemma 4's): after the four special ids, so
+# boi, eoi and the image token are ids 4, 5 and 6 (`model.overrides` names them: `boi_token_id=4`, ...).
+TRAINED_IMAGE_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"}
 
 AnyConfig = ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any]
 
@@ -113,8 +117,13 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: str, train_path: str) -> Tok
     if source == "auto":
       source = "checkpoint" if cfg.model.checkpoint else "train"
     if source == "train":
+      # a model with a vision tower reads images: Gemma 4's image tokens, kept whole, named in the tokenizer config
+      image_tokens = TRAINED_IMAGE_TOKENS if cfg.model.overrides.get("vision") else {}
       tok = train_tokenizer(_training_texts(cfg, train_path), model_type=cfg.tokenizer.model_type,
-                            vocab_size=cfg.tokenizer.vocab_size or None)
+                            vocab_size=cfg.tokenizer.vocab_size or None,
+                            user_defined_symbols=tuple(image_tokens.values()))
+      if image_tokens:
+        tok = tok.with_config(image_tokens)
       if chat_template_kind(cfg.data.chat_template or None) == "jinja":  # saved with it: exports carry it
         tok = tok.with_chat_template(cfg.data.chat_template, "data.chat_template")
     elif source == "checkpoint":
@@ -328,6 +337,40 @@ def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str,
     raise ConfigError(f"data: {e}") from None
 
 
+def image_processor_config(cfg: ExperimentConfig, model_config: ModelConfig) -> ImageProcessorConfig | None:
+  """The run's image processor settings (None for a model without a vision tower): the checkpoint's
+  (`processor_config.json`), else the released ones at the tower's patch and pooling sizes, then `data.image_processor`
+  replacing fields; a one-line `ConfigError` when they do not fit the tower."""
+  vision = model_config.vision
+  if vision is None:
+    return None
+  processor = None
+  if cfg.model.checkpoint and not is_run_workdir(cfg.model.checkpoint):
+    processor = read_image_processor_config(resolve_model_path(cfg.model.checkpoint))
+  where = cfg.model.checkpoint or "data.image_processor"
+  if processor is None:
+    processor = ImageProcessorConfig(patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size)
+  if cfg.data.image_processor:
+    fields = {f.name for f in dataclasses.fields(ImageProcessorConfig)}
+    unknown = sorted(set(cfg.data.image_processor) - fields)
+    if unknown:
+      raise ConfigError(f"data.image_processor: unknown key(s) {unknown}; expected fields of {sorted(fields)}")
+    processor = ImageProcessorConfig.from_dict({**dataclasses.asdict(processor), **cfg.data.image_processor},
+                                               "data.image_processor")
+    where = "data.image_processor"
+  for name in ("patch_size", "pooling_kernel_size"):
+    if getattr(processor, name) != getattr(vision, name):
+      raise ConfigError(f"{where}: the image processor's {name}={getattr(processor, name)} but the vision tower's is "
+                        f"{getattr(vision, name)} (config.json vision_config)")
+  return processor
+
+
+def image_data_config(cfg: ExperimentConfig, data_cfg: SFTDataConfig, model_config: ModelConfig) -> SFTDataConfig:
+  """`data_cfg` with the run's `data.max_images` and image processor (`image_processor_config`)."""
+  return dataclasses.replace(data_cfg, max_images=cfg.data.max_images,
+                             image_processor=image_processor_config(cfg, model_config))
+
+
 # ---- evaluation ---------------------------------------------------------------------------------------------------
 def eval_task(cfg: ExperimentConfig, overrides: Mapping[str, Any] | None = None) -> Task:
   """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task); `overrides`
@@ -365,6 +408,7 @@ def load_eval_data(cfg: ExperimentConfig, model_config: ModelConfig, tokenizer: 
     logging.warning("no %s data configured; evaluating on the training data", split)
     path = paths["train"]
   data_cfg = sft_data_config(cfg, model_config, path, batch_size=1, shuffle=False, seed=0)
+  data_cfg = image_data_config(cfg, data_cfg, model_config)  # chat records with images: read as in training
   num = num_examples or cfg.eval.num_examples
   data = eval_loop.load_eval_data(path, dataclasses.replace(data_cfg, pinned_field=None), tokenizer, num)
   # every record usable by every evaluated task before anything is sampled (a one-line error naming file:line)
@@ -518,8 +562,10 @@ def load_run_adapters(workdir: str, step: int | None = None, *, trust_remote_cod
                    paths={"train": "", "validation": ""})
 
 
-__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "available_memory",
+__all__ = ["DATA_DIR", "EVAL_DIR", "TRAINED_IMAGE_TOKENS", "LoadedRun", "apply_lora", "as_experiment_config",
+           "available_memory",
            "build_abstract_model", "check_fits_memory",
            "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
-           "eval_task", "evaluate_model", "generation_defaults", "is_run_workdir", "load_eval_data", "load_run",
+           "eval_task", "evaluate_model", "generation_defaults", "image_data_config", "image_processor_config",
+           "is_run_workdir", "load_eval_data", "load_run",
            "load_run_adapters", "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]

@@ -307,7 +307,6 @@ class Trainer:
   # ---- evaluation ---------------------------------------------------------------------------------------------
   def eval_data(self) -> eval_loop.EvalData:
     if self._eval_data is None:
-      check_image_run(self.config, self.train_data, self.model_config, evaluating=True)
       self._eval_data = run_lib.load_eval_data(self.config, self.model_config, self.tokenizer, self.paths)
     return self._eval_data
 
