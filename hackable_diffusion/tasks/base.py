@@ -32,8 +32,8 @@ absent) are metric values a reference completion must get as its own prediction,
 `{'solved_rate': 1.0}`: a reference that breaks the rules or changes a given is then an error naming its line,
 not a skewed score. `BaseTask` gives every optional hook
 its default; a task that does not subclass it implements them all. `get_task` builds a task from a built-in name
-(`BUILTIN_TASKS`: 'text', 'digits', 'sudoku') or from 'package.module:factory' (a class or function in any
-importable module), called with the config's task arguments.
+(`BUILTIN_TASKS`: 'text', 'digits', 'sudoku', 'sudoku_image') or from 'package.module:factory' (a class or function
+in any importable module), called with the config's task arguments.
 """
 
 from __future__ import annotations
@@ -246,6 +246,7 @@ BUILTIN_TASKS: Mapping[str, str] = types.MappingProxyType({
     "text": "hackable_diffusion.tasks.text:TextTask",
     "digits": "hackable_diffusion.tasks.text:DigitsTask",
     "sudoku": "hackable_diffusion.tasks.sudoku.task:SudokuTask",
+    "sudoku_image": "hackable_diffusion.tasks.sudoku.image_task:ImageSudokuTask",
 })
 
 
