@@ -1,8 +1,8 @@
-"""The three notebooks in notebooks/ execute end to end, as committed, in CI (each ends in a cell asserting its key
-result); each run stays in a temporary working directory (`HD_NOTEBOOK_WORKDIR`).
+"""The three notebooks in notebooks/ execute end to end, as committed (each ends in a cell asserting its key result);
+each run stays in a temporary working directory (`HD_NOTEBOOK_WORKDIR`).
 
-Not marked slow: the three together take a few minutes on a 2-core machine (docs/results.md has the current
-time); the asserted margins are in notebooks/README.md.
+All three are in the slow tier (`python -m pytest -m slow tests/test_notebook.py`): each repeats, in a kernel, a path
+a default-tier test covers; the asserted margins are in notebooks/README.md.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
   assert sorted(p.name for p in (tmp_path / "work" / "eval").glob("report_step_*.json")) == ["report_step_150.json"]
 
 
+@pytest.mark.slow  # the README API snippet's path (tests/training/test_sft_api.py), in a kernel
 def test_finetune_and_export_notebook(tmp_path, monkeypatch):
   nb, text = execute("finetune_and_export.ipynb", tmp_path, monkeypatch)
   check_common_cells(nb)
