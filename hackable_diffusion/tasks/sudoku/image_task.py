@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -107,7 +108,8 @@ class ImageSudokuTask(SudokuTask):
       for s in starts:
         _render_chunk(out_dir, split, self.seed, s, puzzles[s:s + chunk], config)
       return
-    with futures.ProcessPoolExecutor(self.workers) as pool:
+    # spawned, not forked: a fork of a process running JAX threads can deadlock
+    with futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
       for done in [pool.submit(_render_chunk, out_dir, split, self.seed, s, puzzles[s:s + chunk], config)
                    for s in starts]:
         done.result()
