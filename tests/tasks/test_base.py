@@ -20,7 +20,7 @@ def test_get_task_builtin_names_and_specs():
   assert isinstance(get_task("text"), TextTask)
   assert get_task("digits", {"op": "reverse"}).op == "reverse"
   assert isinstance(get_task("sudoku"), SudokuTask)  # imported on use, like any spec
-  assert sorted(BUILTIN_TASKS) == ["digits", "sudoku", "text"]
+  assert sorted(BUILTIN_TASKS) == ["digits", "sudoku", "sudoku_image", "text"]
   assert isinstance(get_task("hackable_diffusion.tasks.text:TextTask", {"allowed_chars": "01"}), TextTask)
   task = get_task("custom_components:OneDigitTask", {"digit": "3"})  # defined in tests/, not in the library
   assert (task.name, task.primary_metric, task.digit) == ("one_digit", "all_digit", "3")
