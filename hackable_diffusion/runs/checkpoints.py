@@ -42,6 +42,7 @@ from absl import logging
 
 from hackable_diffusion import sharding
 from hackable_diffusion.interop.hf import CheckpointError
+from hackable_diffusion.runs.config_files import CONFIG_FILENAME
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -461,5 +462,11 @@ class Checkpointer:
     self.close()
 
 
-__all__ = ["CHECKPOINT_DIR", "Checkpointer", "ROTATION_RETRIES", "TrainStateLike", "abstract_like", "one_line_error",
-           "pick_step", "rotated_out_message", "step_to_restore", "steps_on_disk"]
+def is_run_workdir(path: str) -> bool:
+  """A directory written by `hackable_diffusion.train` (as opposed to a Hugging Face checkpoint)."""
+  return os.path.isdir(os.path.join(path, CHECKPOINT_DIR)) and os.path.isfile(
+      os.path.join(path, CONFIG_FILENAME)) and not os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+__all__ = ["CHECKPOINT_DIR", "Checkpointer", "ROTATION_RETRIES", "TrainStateLike", "abstract_like", "is_run_workdir",
+           "one_line_error", "pick_step", "rotated_out_message", "step_to_restore", "steps_on_disk"]

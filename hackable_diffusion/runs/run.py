@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from hackable_diffusion import lora as lora_lib
 from hackable_diffusion import sharding
 from hackable_diffusion.data.chat import ChatTemplate, chat_template_kind
-from hackable_diffusion.data.images import ImageProcessorConfig, read_image_processor_config
 from hackable_diffusion.data.sft import SFTDataConfig, format_prompt, read_records
 from hackable_diffusion.data.tokenizer import Tokenizer, find_tokenizer_file, train_tokenizer
 from hackable_diffusion.errors import CheckpointError, ConfigError, DataError
@@ -44,15 +43,13 @@ from hackable_diffusion.model.transformer import DiffusionGemma, init_model
 from hackable_diffusion.tasks.base import EvalRecord, Task, get_task
 from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.runs import workdir as workdir_lib
-from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer, step_to_restore
+from hackable_diffusion.runs.checkpoints import CHECKPOINT_DIR, Checkpointer, is_run_workdir, step_to_restore
 from hackable_diffusion.runs.config import ExperimentConfig
+from hackable_diffusion.runs.images import TRAINED_IMAGE_TOKENS, image_data_config
 from hackable_diffusion.sharding.mesh import is_main_process
 
 DATA_DIR = "data"
 EVAL_DIR = "eval"
-# The image tokens of a tokenizer trained for a model with a vision tower (Gemma 4's): after the four special ids, so
-# boi, eoi and the image token are ids 4, 5 and 6 (`model.overrides` names them: `boi_token_id=4`, ...).
-TRAINED_IMAGE_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"}
 
 AnyConfig = ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any]
 
@@ -60,12 +57,6 @@ AnyConfig = ExperimentConfig | ml_collections.ConfigDict | Mapping[str, Any]
 # ---- config and workdir -------------------------------------------------------------------------------------------
 def as_experiment_config(config: AnyConfig) -> ExperimentConfig:
   return config if isinstance(config, ExperimentConfig) else ExperimentConfig.from_config_dict(config)
-
-
-def is_run_workdir(path: str) -> bool:
-  """A directory written by `hackable_diffusion.train` (as opposed to a Hugging Face checkpoint)."""
-  return os.path.isdir(os.path.join(path, CHECKPOINT_DIR)) and os.path.isfile(
-      os.path.join(path, config_lib.CONFIG_FILENAME)) and not os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
 def data_paths(cfg: ExperimentConfig, workdir: str, *, progress: bool | None = None) -> dict[str, str]:
@@ -337,40 +328,6 @@ def sft_data_config(cfg: ExperimentConfig, model_config: ModelConfig, path: str,
     raise ConfigError(f"data: {e}") from None
 
 
-def image_processor_config(cfg: ExperimentConfig, model_config: ModelConfig) -> ImageProcessorConfig | None:
-  """The run's image processor settings (None for a model without a vision tower): the checkpoint's
-  (`processor_config.json`), else the released ones at the tower's patch and pooling sizes, then `data.image_processor`
-  replacing fields; a one-line `ConfigError` when they do not fit the tower."""
-  vision = model_config.vision
-  if vision is None:
-    return None
-  processor = None
-  if cfg.model.checkpoint and not is_run_workdir(cfg.model.checkpoint):
-    processor = read_image_processor_config(resolve_model_path(cfg.model.checkpoint))
-  where = cfg.model.checkpoint or "data.image_processor"
-  if processor is None:
-    processor = ImageProcessorConfig(patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size)
-  if cfg.data.image_processor:
-    fields = {f.name for f in dataclasses.fields(ImageProcessorConfig)}
-    unknown = sorted(set(cfg.data.image_processor) - fields)
-    if unknown:
-      raise ConfigError(f"data.image_processor: unknown key(s) {unknown}; expected fields of {sorted(fields)}")
-    processor = ImageProcessorConfig.from_dict({**dataclasses.asdict(processor), **cfg.data.image_processor},
-                                               "data.image_processor")
-    where = "data.image_processor"
-  for name in ("patch_size", "pooling_kernel_size"):
-    if getattr(processor, name) != getattr(vision, name):
-      raise ConfigError(f"{where}: the image processor's {name}={getattr(processor, name)} but the vision tower's is "
-                        f"{getattr(vision, name)} (config.json vision_config)")
-  return processor
-
-
-def image_data_config(cfg: ExperimentConfig, data_cfg: SFTDataConfig, model_config: ModelConfig) -> SFTDataConfig:
-  """`data_cfg` with the run's `data.max_images` and image processor (`image_processor_config`)."""
-  return dataclasses.replace(data_cfg, max_images=cfg.data.max_images,
-                             image_processor=image_processor_config(cfg, model_config))
-
-
 # ---- evaluation ---------------------------------------------------------------------------------------------------
 def eval_task(cfg: ExperimentConfig, overrides: Mapping[str, Any] | None = None) -> Task:
   """`eval.task` ('' = the data generator's task with its arguments, else the generic 'text' task); `overrides`
@@ -562,10 +519,8 @@ def load_run_adapters(workdir: str, step: int | None = None, *, trust_remote_cod
                    paths={"train": "", "validation": ""})
 
 
-__all__ = ["DATA_DIR", "EVAL_DIR", "TRAINED_IMAGE_TOKENS", "LoadedRun", "apply_lora", "as_experiment_config",
-           "available_memory",
+__all__ = ["DATA_DIR", "EVAL_DIR", "LoadedRun", "apply_lora", "as_experiment_config", "available_memory",
            "build_abstract_model", "check_fits_memory",
            "build_model", "build_model_config", "build_tokenizer", "check_eval_tasks", "data_paths", "data_shard",
-           "eval_task", "evaluate_model", "generation_defaults", "image_data_config", "image_processor_config",
-           "is_run_workdir", "load_eval_data", "load_run",
+           "eval_task", "evaluate_model", "generation_defaults", "is_run_workdir", "load_eval_data", "load_run",
            "load_run_adapters", "load_run_tokenizer", "make_run_mesh", "model_factory", "sft_data_config"]

@@ -4,7 +4,7 @@ the model, tokenizer and run can take those images.
 The data (data/sft_images.py) reads chat records whose turns before the final assistant turn hold image parts; the
 loss (diffusion/loss.py) runs the vision tower on every batch's images. The image processor's settings come from the
 checkpoint fine-tuned (`processor_config.json`, else `preprocessor_config.json`), else the released settings with the
-model's own patch size and pooling kernel, then `data.image_processor` (runs/run.py `image_processor_config`, which
+model's own patch size and pooling kernel, then `data.image_processor` (runs/images.py `image_processor_config`, which
 the evaluation data use too). Which vision weights train is `train.train_vision` (runs/config.py): the
 tower and its projection are kept unchanged by default.
 """
@@ -17,7 +17,7 @@ from hackable_diffusion.data.sft import SFTDataset
 from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.model.config import ModelConfig
 from hackable_diffusion.runs.config import ExperimentConfig
-from hackable_diffusion.runs.run import image_data_config, image_processor_config  # re-exported: used here before
+from hackable_diffusion.runs.images import image_data_config, image_processor_config  # re-exported
 
 
 def check_image_run(cfg: ExperimentConfig, data: SFTDataset, model_config: ModelConfig) -> None:

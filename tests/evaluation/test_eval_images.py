@@ -18,7 +18,7 @@ from hackable_diffusion.evaluation import loop
 from hackable_diffusion.evaluation.images import batch_images, example_images
 from hackable_diffusion.model.config import get_preset
 from hackable_diffusion.model.transformer import init_model
-from hackable_diffusion.runs.run import TRAINED_IMAGE_TOKENS
+from hackable_diffusion.runs.images import TRAINED_IMAGE_TOKENS
 from hackable_diffusion.sampling.config import SamplingConfig
 from hackable_diffusion.tasks.text import TextTask
 
