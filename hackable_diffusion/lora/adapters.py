@@ -204,6 +204,27 @@ def _adapter_input(x: Array, rate: float, key_var: LoRADropoutKey | None, index:
   return jnp.where(data[-1] > 0, dropped, x)
 
 
+def _set_factors(module: Any, kernel: nnx.Variable, lora_a: Array, lora_b: Array, scale: float, dropout: float,
+                 dropout_key: LoRADropoutKey | None, dropout_index: int) -> None:
+  """The adapter state of a 2-D adapter module (`LoRALinear`, `LoRAClippableLinear`) whose `in_features` /
+  `out_features` are set: factors `lora_a [in, r]`, `lora_b [r, out]` sharded like `kernel`'s axes, scale, dropout."""
+  if lora_a.shape[0] != module.in_features or lora_b.shape[1] != module.out_features:
+    raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{module.in_features}, "
+                     f"{module.out_features}] kernel")
+  module.rank, module.scale, module.dropout_rate = lora_a.shape[1], float(scale), float(dropout)
+  if dropout > 0 and dropout_key is None:
+    raise ValueError(f"{type(module).__name__} with dropout needs the shared LoRADropoutKey variable")
+  module.dropout_key = dropout_key if dropout > 0 else None
+  module.dropout_index = int(dropout_index)
+  axes = _axes(kernel) or (None, None)
+  module.lora_a = _lora_param(lora_a, (axes[0], None))
+  module.lora_b = _lora_param(lora_b, (None, axes[1]))
+
+
+def _delta(module: Any) -> Array:
+  return module.scale * (module.lora_a[...].astype(jnp.float32) @ module.lora_b[...].astype(jnp.float32))
+
+
 class LoRALinear(nnx.Linear):
   """`nnx.Linear` + a low-rank update; the base `kernel` (and `bias`) Variables are the wrapped layer's own.
 
@@ -221,21 +242,11 @@ class LoRALinear(nnx.Linear):
     self.bias = base.bias if base.use_bias else nnx.data(None)
     for name in getattr(base, "QUANTIZED_ATTRS", ()):  # a quantized base: its scales (QLoRALinear)
       setattr(self, name, getattr(base, name))
-    if lora_a.shape[0] != self.in_features or lora_b.shape[1] != self.out_features:
-      raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{self.in_features}, "
-                       f"{self.out_features}] kernel")
-    self.rank, self.scale, self.dropout_rate = lora_a.shape[1], float(scale), float(dropout)
-    if dropout > 0 and dropout_key is None:
-      raise ValueError("LoRALinear with dropout needs the shared LoRADropoutKey variable")
-    self.dropout_key = dropout_key if dropout > 0 else None
-    self.dropout_index = int(dropout_index)
-    axes = _axes(base.kernel) or (None, None)
-    self.lora_a = _lora_param(lora_a, (axes[0], None))
-    self.lora_b = _lora_param(lora_b, (None, axes[1]))
+    _set_factors(self, base.kernel, lora_a, lora_b, scale, dropout, dropout_key, dropout_index)
 
   def delta(self) -> Array:
     """The kernel update `scale * lora_a @ lora_b` [in, out] in float32."""
-    return self.scale * (self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32))
+    return _delta(self)
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     y = super().__call__(inputs, out_sharding=out_sharding)
@@ -257,21 +268,11 @@ class LoRAClippableLinear(ClippableLinear):
     if base.clipped:
       self.input_min, self.input_max = base.input_min, base.input_max
       self.output_min, self.output_max = base.output_min, base.output_max
-    if lora_a.shape[0] != self.in_features or lora_b.shape[1] != self.out_features:
-      raise ValueError(f"lora_a {lora_a.shape} / lora_b {lora_b.shape} do not fit a [{self.in_features}, "
-                       f"{self.out_features}] kernel")
-    self.rank, self.scale, self.dropout_rate = lora_a.shape[1], float(scale), float(dropout)
-    if dropout > 0 and dropout_key is None:
-      raise ValueError("LoRAClippableLinear with dropout needs the shared LoRADropoutKey variable")
-    self.dropout_key = dropout_key if dropout > 0 else None
-    self.dropout_index = int(dropout_index)
-    axes = _axes(base.kernel) or (None, None)
-    self.lora_a = _lora_param(lora_a, (axes[0], None))
-    self.lora_b = _lora_param(lora_b, (None, axes[1]))
+    _set_factors(self, base.kernel, lora_a, lora_b, scale, dropout, dropout_key, dropout_index)
 
   def delta(self) -> Array:
     """The kernel update `scale * lora_a @ lora_b` [in, out] in float32."""
-    return self.scale * (self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32))
+    return _delta(self)
 
   def project(self, x: Array) -> Array:
     y = super().project(x)
