@@ -112,15 +112,19 @@ def check_image_tokens(config: Any, input_ids: Any, pixel_values: Any,
 # ---- modules ------------------------------------------------------------------------------------------------------
 class PatchEmbedder(nnx.Module):
   """pixel patches [N, P, 3 p^2] in [0, 1] -> `input_proj(2 (v - 0.5)) + pos_x[x] + pos_y[y]` [N, P, H] (no
-  position embedding on padding patches)."""
+  position embedding on padding patches). A fresh table is all ones (transformers' init: every patch starts with
+  the same position embedding), or N(0, position_embedding_init_std^2) when that is set (each patch position starts
+  distinct)."""
 
   def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
     h = config.hidden_size
     self.dtype = dtype
     self.input_proj = ClippableLinear(config.patch_dim, h, (None, "embed"), clipped=False, rngs=rngs, dtype=dtype,
                                       param_dtype=param_dtype, std=config.initializer_range)
-    self.position_embedding_table = nnx.Param(jnp.ones((2, config.position_embedding_size, h), param_dtype),
-                                              out_sharding=(None, None, "embed"))
+    shape = (2, config.position_embedding_size, h)
+    std = config.position_embedding_init_std  # 0: all ones, as transformers initialises the table
+    table = std * jax.random.normal(rngs.params(), shape, param_dtype) if std else jnp.ones(shape, param_dtype)
+    self.position_embedding_table = nnx.Param(table, out_sharding=(None, None, "embed"))
 
   def __call__(self, pixel_values: Array, positions: Array, padding: Array) -> Array:
     x = self.input_proj((2.0 * (pixel_values.astype(jnp.float32) - 0.5)).astype(self.dtype))

@@ -39,7 +39,10 @@ class VisionConfig:
 
   An image of `h x w` patches of `patch_size` pixels gives `(h / k) * (w / k)` soft tokens (`k` the pooling kernel).
   `use_clipped_linears`: every projection clamps its input and output to saved bounds. `standardize`: the pooled
-  soft tokens become `(x - std_bias) * std_scale` (saved buffers).
+  soft tokens become `(x - std_bias) * std_scale` (saved buffers). `position_embedding_init_std`: an initialisation
+  choice only (not in `config.json`, no effect on loaded weights): 0 starts the position table at all ones (as
+  transformers does), > 0 from N(0, std^2), so a tower trained from scratch gives each patch position its own
+  embedding from the first step.
   """
 
   hidden_size: int = 768
@@ -57,6 +60,7 @@ class VisionConfig:
   standardize: bool = False
   initializer_range: float = 0.02
   max_position_embeddings: int = 131_072
+  position_embedding_init_std: float = 0.0
 
   def __post_init__(self):
     positive = ("hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
@@ -70,6 +74,8 @@ class VisionConfig:
                         f"num_key_value_heads={self.num_key_value_heads}")
     if self.head_dim % 4:
       raise ConfigError(f"VisionConfig.head_dim={self.head_dim} must be a multiple of 4 (2-D rotary embedding)")
+    if not self.position_embedding_init_std >= 0:
+      raise ConfigError(f"VisionConfig.position_embedding_init_std={self.position_embedding_init_std} must be >= 0")
     if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
       raise ConfigError(f"VisionConfig.rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
 

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from hackable_diffusion.diffusion.loss import LossConfig, diffusion_loss
+from hackable_diffusion.errors import ConfigError
 from hackable_diffusion.runs import config as config_lib
 from hackable_diffusion.tasks.base import EvalRecord, get_task
 from hackable_diffusion.tasks.sudoku import image_task
@@ -91,3 +92,53 @@ def test_records_metrics_and_start_canvases(trained):
   _, oracle = get_task("sudoku_image", {"pin_givens": True}).seed_canvas(records, _Tok(), 81)
   assert oracle[0].tolist() == [c != "0" for c in rows[0]["puzzle"]]
   assert image_task.image_path("train", 3) == "img/train/000003.png"
+
+
+def _train_rows(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_transcription_warm_up_opens_the_training_file(tmp_path):
+  out = str(tmp_path)
+  task = get_task("sudoku_image", {**SIZES, "transcribe": 0.5, "transcribe_first": 3})
+  rows = _train_rows(task.make_data(out, progress=False)["train"])
+  assert len(rows) == 8 + 4  # every solve record, plus half as many transcription records
+  transcribed = [r for r in rows if r["messages"][0]["content"][1]["text"] == "Given:"]
+  assert len(transcribed) == 4 and rows[:3] == transcribed[:3]  # the warm-up comes first
+  for r in transcribed:  # the answer is the picture's content: its digits, '0' for a blank
+    assert r["messages"][-1]["content"] == r["puzzle"] and "0" in r["puzzle"]
+    assert os.path.isfile(os.path.join(out, r["messages"][0]["content"][0]["path"]))
+  solved = [r for r in rows if r not in transcribed]
+  assert len(solved) == 8 and all("0" not in r["messages"][-1]["content"] for r in solved)
+  picture = os.path.join(out, "img", "train", "000000.png")
+  drawn = os.stat(picture).st_mtime_ns
+  plain = _train_rows(get_task("sudoku_image", {**SIZES, "transcribe": 0.5}).make_data(out, progress=False)["train"])
+  assert [r["messages"][0]["content"][1]["text"] for r in plain] == ["Solve:"] * 8 + ["Given:"] * 4
+  assert os.stat(picture).st_mtime_ns == drawn  # a new mix rewrites the records, not the pictures
+  config = config_lib.load_config_file("sudoku_image.py")
+  assert config.data.shuffle is False and config.data.generator_args.transcribe_first > 0
+  assert config.model.overrides.vision["position_embedding_init_std"] > 0
+
+
+@pytest.mark.parametrize("args", [{"transcribe": 0.5, "transcribe_instruction": "Read:"},
+                                  {"transcribe": 0.5, "transcribe_instruction": "Solve:"},
+                                  {"transcribe": -0.1}, {"transcribe": 1.5}, {"transcribe_first": -1}])
+def test_transcription_arguments_are_checked(args):
+  with pytest.raises(ConfigError):
+    get_task("sudoku_image", args)
+
+
+def test_position_table_init():
+  from hackable_diffusion.model.vision import PatchEmbedder
+  from hackable_diffusion.model.vision_config import VisionConfig
+
+  small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+               head_dim=8, patch_size=16, pooling_kernel_size=1, position_embedding_size=16)
+  with nnx.use_eager_sharding(False):
+    default, spread = (PatchEmbedder(VisionConfig(**small, position_embedding_init_std=s), rngs=nnx.Rngs(0),
+                                     dtype=jnp.float32, param_dtype=jnp.float32) for s in (0.0, 1.0))
+  assert np.all(np.asarray(default.position_embedding_table[...]) == 1.0)  # transformers' init
+  table = np.asarray(spread.position_embedding_table[...])
+  assert 0.8 < table.std() < 1.2 and abs(table.mean()) < 0.25  # each position its own embedding
+  assert "position_embedding_init_std" not in VisionConfig(**small, position_embedding_init_std=1.0).to_hf()
