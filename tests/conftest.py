@@ -13,8 +13,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 # Tests run tiny models, where XLA's CPU compile time dominates: the lowest backend optimisation level compiles
 # several times faster and changes runtime little at these sizes. Benchmarks and training runs keep the default.
+# One OpenMP thread for the torch reference models: the suite runs one pytest-xdist worker per core, and their tiny
+# tensors gain nothing from a second thread that only contends with the other worker. (XLA keeps its own thread
+# pool: single-threaded Eigen compiles some bfloat16 dots differently from what users run.)
 if "jax" not in sys.modules:
   os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from typing import Any
 
 import hf_reference  # noqa: E402 - scripts/ is on sys.path (above)

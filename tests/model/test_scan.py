@@ -321,7 +321,8 @@ def test_scan_layers_must_be_a_bool():
     _config(scan_layers="yes")
 
 
-@pytest.mark.parametrize("mode", ["fp8", "int4", "nvfp4"])
+# int4 (slow tier): block scales as fp8 has them, codes packed two per byte as nvfp4 has them
+@pytest.mark.parametrize("mode", ["fp8", pytest.param("int4", marks=pytest.mark.slow), "nvfp4"])
 def test_a_quantized_base_scans(mode):
   """QLoRA: the quantized base (codes, scales, NVFP4 scale tables) stacks like any array: same logits as the
   unrolled model, and unstacking gives its graph back."""

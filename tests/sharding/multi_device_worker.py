@@ -48,7 +48,10 @@ from hackable_diffusion.training.step import (init_train_state, init_train_state
 
 CFG = get_preset("tiny")
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring event of every XLA compile
-TRAIN_MESHES = ((8, 1, 1, 1), (2, 4, 1, 1), (2, 2, 2, 1), (1, 2, 1, 4))
+# a sharded train step == one device: two meshes that together shard every axis (default tier, 'train'), and the
+# data-parallel and data x fsdp meshes (slow tier, 'train_more'; the default tier places their parameters only)
+TRAIN_MESHES = ((2, 2, 2, 1), (1, 2, 1, 4))
+MORE_TRAIN_MESHES = ((8, 1, 1, 1), (2, 4, 1, 1))
 BYTES_ONLY_MESHES = ((1, 1, 1, 8), (1, 1, 8, 1))  # 8 experts / tensor shards of a 4-expert model: fallbacks
 
 
@@ -84,7 +87,7 @@ def spec(x) -> list:
 
 
 # ---- training step on several meshes vs one device -----------------------------------------------------------
-def run_train() -> dict:
+def run_train(step_meshes=TRAIN_MESHES, placement_meshes=BYTES_ONLY_MESHES + MORE_TRAIN_MESHES) -> dict:
   # eps=1e-3 makes Adam's update a smooth function of the gradient (with eps=1e-8 the first step is
   # lr * sign(g), and a gradient within rounding of 0 could flip sign between reduction orders)
   tx, schedule = make_optimizer(OptimizerConfig(peak_lr=1e-3, warmup_steps=0, eps=1e-3))
@@ -98,7 +101,7 @@ def run_train() -> dict:
     ref, m = ref_step(ref, jax.device_put(b), k)
     ref_metrics.append({n: float(v) for n, v in m.items()})
   out = {"devices": jax.device_count(), "meshes": {}}
-  for shape in TRAIN_MESHES:
+  for shape in step_meshes:
     mesh = mesh_of(shape)
     shardings = sh.state_shardings(mesh, state0)
     state = sh.shard_state(state0, shardings)
@@ -145,13 +148,14 @@ def run_train() -> dict:
         },
         **measured,
     }
-  for shape in BYTES_ONLY_MESHES:  # placement only (no step): the divisibility fallbacks
+  for shape in placement_meshes:  # placement only (no step)
     mesh = mesh_of(shape)
     params = sh.shard_state(state0.params, sh.state_shardings(mesh, state0.params))
     out["meshes"]["x".join(map(str, shape))] = {
         "param_bytes_measured": bytes_per_device(params),
         "param_bytes_helper": sh.per_device_bytes(params, mesh),
-        "specs": {"experts.gate_up_proj": spec(params["layers"][0]["experts"]["gate_up_proj"][...]),
+        "specs": {"embed_tokens": spec(params["embed_tokens"][...]),
+                  "experts.gate_up_proj": spec(params["layers"][0]["experts"]["gate_up_proj"][...]),
                   "k_proj.full": spec(params["layers"][1]["self_attn"]["k_proj"]["kernel"][...])},
     }
   return out
@@ -432,6 +436,7 @@ def run_trainer() -> dict:
 
 if __name__ == "__main__":
   what, path = sys.argv[1], sys.argv[2]
-  result = {"train": run_train, "misc": run_misc, "trainer": run_trainer}[what]()
+  result = {"train": run_train, "train_more": lambda: run_train(MORE_TRAIN_MESHES, ()), "misc": run_misc,
+            "trainer": run_trainer}[what]()
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)

@@ -6,7 +6,8 @@ mesh with the parameters in their training shardings (== one device's report; `l
 
 The checks run in `tests/sharding/multi_device_worker.py` because JAX fixes its device count when it first
 initialises, which other test modules in this process have already done with one device. The 'train' and 'misc'
-workers run in parallel (one module fixture); the 'trainer' worker's tests are in the slow tier. Workers report
+workers run in parallel (one module fixture); the 'trainer' worker and the 'train_more' worker (the sharded step on
+the data-parallel and data x fsdp meshes, whose placement the default tier checks) are in the slow tier. Workers report
 numbers as JSON; the assertions live here.
 
 Tolerances (float32): a sharded step computes the same sums in a different order (per-shard partial sums of the
@@ -70,6 +71,12 @@ def worker_results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def more_train_results(tmp_path_factory):
+  """The 'train_more' worker (the sharded step on two more meshes; slow tier)."""
+  return _run_workers(tmp_path_factory.mktemp("sharding_more"), ("train_more",))
+
+
+@pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory):
   """The 'trainer' worker (the `Trainer` and evaluation on meshes; slow tier)."""
   return _run_workers(tmp_path_factory.mktemp("sharding_trainer"), ("trainer",))
@@ -81,12 +88,23 @@ def _get(results, what):
   return results[what]
 
 
-TRAIN_MESHES = ("8x1x1x1", "2x4x1x1", "2x2x2x1", "1x2x1x4")
+TRAIN_MESHES = ("2x2x2x1", "1x2x1x4")  # together every mesh axis
+MORE_TRAIN_MESHES = ("8x1x1x1", "2x4x1x1")
 
 
 @pytest.mark.parametrize("mesh", TRAIN_MESHES)
 def test_sharded_train_step_equals_one_device(worker_results, mesh):
-  r = _get(worker_results, "train")
+  _check_sharded_step(_get(worker_results, "train"), mesh)
+
+
+@pytest.mark.slow  # two more sharded steps: data parallel alone and data x fsdp
+@pytest.mark.parametrize("mesh", MORE_TRAIN_MESHES)
+def test_more_sharded_train_steps_equal_one_device(more_train_results, mesh):
+  _check_sharded_step(_get(more_train_results, "train_more"), mesh)
+  assert _get(more_train_results, "train_more")["meshes"][mesh]["compiles_after_first_step"] == 0
+
+
+def _check_sharded_step(r: dict, mesh: str) -> None:
   assert r["devices"] == 8
   m = r["meshes"][mesh]
   assert m["step"] == 2
@@ -116,7 +134,7 @@ def test_parameters_are_placed_by_the_rules(worker_results):
   assert "not divisible by mesh axes ('expert',) (size 8)" in _get(worker_results, "train")["log"]
 
 
-@pytest.mark.parametrize("mesh", TRAIN_MESHES + ("1x1x1x8", "1x1x8x1"))
+@pytest.mark.parametrize("mesh", TRAIN_MESHES + MORE_TRAIN_MESHES + ("1x1x1x8", "1x1x8x1"))
 def test_per_device_bytes_match_hand_arithmetic(worker_results, mesh):
   m = _get(worker_results, "train")["meshes"][mesh]
   _, f, t, e = map(int, mesh.split("x"))

@@ -20,7 +20,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 300  # long enough that a signal sent after the first metrics line lands before the end
+STEPS = 120  # long enough that a signal sent after the first metrics line lands before the end
 TIMEOUT_S = 300
 
 

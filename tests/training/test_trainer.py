@@ -1,7 +1,8 @@
 """The Trainer end to end on `configs/tiny.py`: learning, workdir layout, exact resume, non-finite loss.
 
-Compile cost dominates on CPU, so the module trains once (module fixture) and the resume test reuses the same
-compiled train step (the trainer memoises it per model graph / optimizer / loss config).
+Compile cost dominates on CPU, so the module trains once (module fixture, a short run) and the resume test reuses
+the same compiled train step (the trainer memoises it per model graph / optimizer / loss config). The learning
+check trains for longer in the slow tier.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from hackable_diffusion.training import logging as log_lib
 from hackable_diffusion.runs import run as run_lib
 from hackable_diffusion.training import trainer as trainer_lib
 
-STEPS = 500
+STEPS = 100  # the module's run: layout, metrics, checkpoints, resume
+LEARNING_STEPS = 500  # the learning check (slow tier)
 # Shared by every run of this module so that the compiled train step is reused.
 COMMON = {
     "optimizer.decay_steps": STEPS,
-    "train.log_every": 50,
-    "train.checkpoint_every": 100,
+    "train.log_every": 20,
+    "train.checkpoint_every": 20,
     "eval.num_examples": 64,
     "eval.step_budgets": (2, 8),
     "eval.early_stopping_steps": 8,
@@ -44,8 +46,16 @@ def tiny_config(**overrides):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("tiny_run"))
-  metrics = trainer_lib.train(tiny_config(**{"train.steps": STEPS, "train.eval_every": 250}), workdir,
+  metrics = trainer_lib.train(tiny_config(**{"train.steps": STEPS, "train.eval_every": STEPS // 2}), workdir,
                               progress=False)
+  return workdir, metrics
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("tiny_learned"))
+  metrics = trainer_lib.train(tiny_config(**{"train.steps": LEARNING_STEPS, "optimizer.decay_steps": LEARNING_STEPS,
+                                             "train.checkpoint_every": LEARNING_STEPS}), workdir, progress=False)
   return workdir, metrics
 
 
@@ -54,14 +64,15 @@ def _report(workdir, step):
     return json.load(f)
 
 
-def test_tiny_learns_to_sort_far_above_chance(trained):
+@pytest.mark.slow  # a 500-step run; test_step.py checks in the default tier that the loss falls
+def test_tiny_learns_to_sort_far_above_chance(learned):
   """Sorting 7 random digits: the best input-independent guess (the mode of each order statistic) gets 0.32
   character accuracy and 0.0004 exact match. 500 steps reach about 0.9 / 0.5 here (300 steps: 0.75 / 0.16);
   the thresholds (0.75 / 0.25) leave room for differences between machines while staying far above that
   baseline."""
-  workdir, metrics = trained
+  workdir, metrics = learned
   assert metrics["loss"] < 1.5
-  report = _report(workdir, STEPS)
+  report = _report(workdir, LEARNING_STEPS)
   runs = {r["name"]: r for r in report["runs"]}
   assert set(runs) == {"steps_2", "steps_8", "early_stopping"}
   best = runs["steps_8"]["metrics"]
@@ -86,14 +97,14 @@ def test_workdir_layout_and_metrics(trained):
   assert again.train.steps == STEPS and again.eval.step_budgets == (2, 8)
   records = log_lib.read_metrics(workdir)
   train_steps = [r["step"] for r in records if "train/loss" in r]
-  assert train_steps == list(range(50, STEPS + 1, 50))
+  assert train_steps == list(range(20, STEPS + 1, 20))
   losses = [r["train/loss"] for r in records if "train/loss" in r]
   assert losses[-1] < losses[0] * 0.6
   eval_steps = [r["step"] for r in records if "eval/steps_8/char_accuracy" in r]
-  assert eval_steps == [250, 500]  # train.eval_every=250 and at the end
-  assert os.path.exists(os.path.join(workdir, "eval", "report_step_250.json"))
+  assert eval_steps == [STEPS // 2, STEPS]  # train.eval_every=STEPS // 2 and at the end
+  assert os.path.exists(os.path.join(workdir, "eval", f"report_step_{STEPS // 2}.json"))
   ckpt = checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-  assert ckpt.all_steps() == [400, 500]  # keep_checkpoints=2
+  assert ckpt.all_steps() == [STEPS - 20, STEPS]  # keep_checkpoints=2
   meta = ckpt.restore_meta()
   assert meta["step"] == STEPS and meta["seed"] == 0 and "next_index" in json.dumps(meta["data_state"])
 
