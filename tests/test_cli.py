@@ -62,8 +62,8 @@ def test_help(module, flag, env, tmp_path):
 
 
 def test_bad_inputs_print_one_line(env, tmp_path):
-  """What a user sees for a bad key, a missing data file, a missing workdir: one `error:` line, exit code 1.
-  (The messages of more cases are checked in-process in tests/test_configs.py and below.)"""
+  """What a user sees for a bad key, a missing data file, a missing workdir, a bad value: one `error:` line, exit
+  code 1, nothing written. (More messages are checked in-process below and in tests/test_configs.py.)"""
   import re
 
   cases = [
@@ -71,11 +71,6 @@ def test_bad_inputs_print_one_line(env, tmp_path):
       ("train", ["--config=tiny.py", "--config.data.generator=", "--config.data.train_path=/no/such.jsonl",
                  f"--workdir={tmp_path / 'w1'}"], "/no/such.jsonl: data file not found"),
       ("evaluate", [f"--workdir={tmp_path / 'missing'}"], "missing/config.json: no such file"),
-      # a bad evaluation sampler fails when the run starts, before any data, tokenizer or step
-      ("train", ["--config=tiny.py", "--config.eval.sampling.t_min=0.9", "--config.eval.sampling.t_max=0.1",
-                 f"--workdir={tmp_path / 'w2'}"], r"eval\.sampling\.t_min=0\.9"),
-      ("train", ["--config=tiny.py", "--config.eval.sampling.acceptance=no_such_rule",
-                 f"--workdir={tmp_path / 'w3'}"], r"eval\.sampling\.acceptance='no_such_rule'"),
       # a model field the file does not list: accepted by the CLI, its value checked before any data is written
       ("train", ["--config=tiny.py", "--config.model.overrides.matmul_dtype=fp8", f"--workdir={tmp_path / 'w4'}"],
        r"model\.overrides: ModelConfig\.matmul_dtype='fp8'; expected one of"),
@@ -86,8 +81,19 @@ def test_bad_inputs_print_one_line(env, tmp_path):
     assert res.returncode == 1, (module, args)
     assert len(lines) == 1 and lines[0].startswith("error: "), (module, args, res.stderr)
     assert re.search(pattern, lines[0]), (pattern, lines[0])
-  for name in ("w2", "w3", "w4"):  # refused before the workdir was written
-    assert not (tmp_path / name).exists()
+  assert not (tmp_path / "w4").exists()  # refused before the workdir was written
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"eval.sampling.t_min": 0.9, "eval.sampling.t_max": 0.1}, r"eval\.sampling\.t_min=0\.9"),
+    ({"eval.sampling.acceptance": "no_such_rule"}, r"eval\.sampling\.acceptance='no_such_rule'")])
+def test_a_bad_evaluation_sampler_fails_before_the_workdir_is_written(tmp_path, overrides, pattern):
+  """The evaluation sampler is checked when the run starts, before any data, tokenizer or step (the same
+  `ConfigError` the train CLI prints as its one line, above)."""
+  workdir = tmp_path / "w"
+  with pytest.raises(config_lib.ConfigError, match=pattern) as err:
+    trainer_lib.train(config_lib.load_config_file("tiny.py", overrides), str(workdir), progress=False)
+  assert "\n" not in str(err.value) and not workdir.exists()
 
 
 def test_argv_checks_in_process(tmp_path):
