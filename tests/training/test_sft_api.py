@@ -144,9 +144,9 @@ def test_readme_snippet_runs_on_a_local_folder(local_checkpoint, tmp_path, monke
   folder, data = local_checkpoint
   code = readme_snippet()
   # 3 steps, evaluated by the snippet's `trainer.evaluate()` alone (the end-of-run evaluation is the same loop:
-  # tests/training/test_trainer.py)
+  # tests/training/test_trainer.py), with one short step budget (the budgets are one loop each: tests/evaluation)
   for old, new in (("path/to/diffusiongemma", folder), ("train.jsonl", data),
-                   ("max_steps=200", "max_steps=3, eval_at_end=False")):
+                   ("max_steps=200", "max_steps=3, eval_at_end=False, eval_step_budgets=(4,), eval_max_steps=4")):
     assert old in code
     code = code.replace(old, new)
   monkeypatch.chdir(tmp_path)  # runs/ and exports/ land here
